@@ -16,6 +16,7 @@ import datetime as _dt
 import hashlib
 import json
 import math
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +24,11 @@ from typing import Any, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
+
+
+def default_results_dir() -> Path:
+    """Where results files go: $SINKBOOK_RESULTS_DIR (the book build sets it per profile) or results/."""
+    return Path(os.environ.get("SINKBOOK_RESULTS_DIR", RESULTS_DIR))
 NOT_COMPARABLE = "not comparable"
 _PACKAGES = ("torch", "transformers", "numpy", "scipy", "pandas", "gguf", "papermill", "lm-eval", "sinkbook")
 
@@ -91,7 +97,7 @@ def _jsonable(x):
 def write_results(chapter: str, parameters: dict, claims: list[Claim], models: list[dict] | None = None,
                   extra: dict | None = None, results_dir: str | Path | None = None) -> Path:
     """Write ``results/<chapter>.json``; ``models`` entries come from ``sinkbook.models.model_record``."""
-    out_dir = Path(results_dir) if results_dir else RESULTS_DIR
+    out_dir = Path(results_dir) if results_dir else default_results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = [c.id for c in claims]
     dupes = {i for i in ids if ids.count(i) > 1}
@@ -116,7 +122,7 @@ def write_results(chapter: str, parameters: dict, claims: list[Claim], models: l
 
 
 def load_all_results(results_dir: str | Path | None = None) -> list[dict]:
-    out_dir = Path(results_dir) if results_dir else RESULTS_DIR
+    out_dir = Path(results_dir) if results_dir else default_results_dir()
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
 
 
