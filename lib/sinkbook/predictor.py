@@ -10,6 +10,7 @@ Source: Choi, Kim, Kim, arXiv 2609.00746, Sections 3.2-3.3, 4.2, Appendix E; dat
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import math
@@ -475,7 +476,11 @@ def _compute_sink_strength(spec: str, device: str) -> tuple[float, str]:
     try:
         from .models import load_model
         loaded = load_model(spec, device=device)
-        out = sink_strength(loaded)
+        # the strength module is written by another chapter; accept either calling convention
+        if "tokenizer" in inspect.signature(sink_strength).parameters:
+            out = sink_strength(loaded.model, loaded.tokenizer)
+        else:
+            out = sink_strength(loaded)
     except Exception as err:  # a missing model package or an API change must not sink the whole chapter
         return float("nan"), f"computing S for {spec!r} failed: {type(err).__name__}: {err}"
     value = out.get("S") if isinstance(out, dict) else getattr(out, "S", out)
