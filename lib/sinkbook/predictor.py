@@ -430,9 +430,6 @@ def lemma1_worst_case(g: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, sink
 
 
 # --------------------------------------------------------------------------------------- our models
-SINK_CRITERIA_RESULTS = REPO_ROOT / "results" / "sink_criteria.json"
-
-
 def our_sink_strengths(models: list[str], results_path: str | Path | None = None, compute_missing: bool = True,
                        device: str = "auto") -> pd.DataFrame:
     """S for each model spec: from the sink-criteria chapter's results file, else computed here.
@@ -440,7 +437,8 @@ def our_sink_strengths(models: list[str], results_path: str | Path | None = None
     Columns: model, S (NaN when unavailable), source, note. Never raises for a missing S: the note says why
     and what to do, so the notebook can mark the dependent claims "not comparable".
     """
-    path = Path(results_path) if results_path else SINK_CRITERIA_RESULTS
+    from .results import default_results_dir
+    path = Path(results_path) if results_path else default_results_dir() / "sink_criteria.json"
     from_file: dict = {}
     if path.exists():
         try:
