@@ -21,28 +21,28 @@ class ArchSpec:
     q_norm: str | None          # None when the family has no QK-norm
     k_norm: str | None
     qk_norm: str                # "none" | "per-head" (RMS over each head's d_h) | "layerwise" (over H*d_h)
-    input_norm: str
+    input_norm: str | None      # norm applied to the layer input before attention (None: post-norm family)
     resid_mid_input: str        # module whose input is the post-attention residual stream
     mlp: str
 
 
 _LLAMA_LIKE = dict(layers="model.layers", attn="self_attn", q_proj="self_attn.q_proj",
-                   k_proj="self_attn.k_proj", v_proj="self_attn.v_proj", o_proj="self_attn.o_proj",
-                   input_norm="input_layernorm", mlp="mlp")
+                   k_proj="self_attn.k_proj", v_proj="self_attn.v_proj", o_proj="self_attn.o_proj", mlp="mlp")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                      resid_mid_input="post_attention_layernorm"),
+                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
     "mistral": ArchSpec("mistral", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                        resid_mid_input="post_attention_layernorm"),
+                        input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
     "qwen2": ArchSpec("qwen2", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                      resid_mid_input="post_attention_layernorm"),
+                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
     "qwen3": ArchSpec("qwen3", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
-                      qk_norm="per-head", resid_mid_input="post_attention_layernorm"),
+                      qk_norm="per-head", input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
     "gemma3_text": ArchSpec("gemma3_text", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
-                            qk_norm="per-head", resid_mid_input="pre_feedforward_layernorm"),
+                            qk_norm="per-head", input_norm="input_layernorm",
+                            resid_mid_input="pre_feedforward_layernorm"),
     "olmo2": ArchSpec("olmo2", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
-                      qk_norm="layerwise", resid_mid_input="mlp"),
+                      qk_norm="layerwise", input_norm=None, resid_mid_input="mlp"),
 }
 _ALIASES = {"gemma3": "gemma3_text"}
 

@@ -93,8 +93,10 @@ class AttentionCall:
         return scores.masked_fill(~self.visible(), float("-inf"))
 
     def probabilities(self) -> torch.Tensor:
-        """(B, H, T, S) attention probabilities, as eager attention would return them (float32)."""
-        return torch.softmax(self.logits(), dim=-1)
+        """(B, H, T, S) attention probabilities, as eager attention would return them (float32).
+
+        Rows of padding queries, which may see no key at all, are all zeros instead of NaN."""
+        return torch.softmax(self.logits(), dim=-1).nan_to_num_(0.0)
 
 
 def _wrapped_attention(base_name: str) -> Callable:

@@ -1,0 +1,167 @@
+"""Execute every chapter notebook with papermill and build the Jupyter Book from the executed copies.
+
+    python -m sinkbook.book build [--profile quick|default|gpu] [--only CHAPTER ...] [--device auto]
+
+The sources stay clean: each build stages the book (``_config.yml``, ``_toc.yml``, ``book/``) next to the
+executed notebooks under ``_build/stage-<profile>/`` and builds the HTML from there into
+``_build/html`` (default and gpu profiles) or ``_build/<profile>/html`` (others). Results files go to
+``results/`` for the default profile and ``_build/<profile>/results/`` otherwise, so a quick test run
+never overwrites the book's numbers. A chapter that fails is reported at the end with the path of its
+partly executed notebook; the other chapters still run and nothing they computed is lost.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .results import REPO_ROOT, claims_markdown, load_all_results
+
+# (chapter, source notebook) in book order; _toc.yml lists the same chapters.
+CHAPTERS = ["sink_criteria", "theorems", "predictor", "outro", "gradient_sinks"]
+PROFILES = ("quick", "default", "gpu")
+
+
+def paths(profile: str) -> dict[str, Path]:
+    base = REPO_ROOT / "_build"
+    out = base if profile in ("default", "gpu") else base / profile
+    return {
+        "stage": base / f"stage-{profile}",
+        "html_parent": out,
+        "html": out / "html",
+        "results": REPO_ROOT / "results" if profile in ("default", "gpu") else base / profile / "results",
+    }
+
+
+def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, executed_dir: Path,
+                    parameters: dict | None = None) -> tuple[bool, float, str]:
+    import papermill
+
+    source = REPO_ROOT / "notebooks" / f"{chapter}.ipynb"
+    if not source.exists():
+        return False, 0.0, f"notebook {source} is missing"
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    target = executed_dir / f"{chapter}.ipynb"
+    os.environ["SINKBOOK_RESULTS_DIR"] = str(results_dir)   # the kernel inherits it
+    start = time.perf_counter()
+    try:
+        papermill.execute_notebook(str(source), str(target), cwd=str(REPO_ROOT), progress_bar=False,
+                                   parameters={"profile": profile, "device": device, **(parameters or {})},
+                                   kernel_name="python3")
+    except Exception as err:  # papermill saved the partly executed notebook; report and go on
+        return False, time.perf_counter() - start, f"{type(err).__name__}: {str(err).strip()[-2000:]}"
+    return True, time.perf_counter() - start, ""
+
+
+def stage_book(stage: Path) -> None:
+    for name in ("_config.yml", "_toc.yml"):
+        shutil.copy2(REPO_ROOT / name, stage / name)
+    if (stage / "book").exists():
+        shutil.rmtree(stage / "book")
+    shutil.copytree(REPO_ROOT / "book", stage / "book", symlinks=False)
+
+
+def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict) -> None:
+    generated = stage / "book" / "_generated"
+    generated.mkdir(parents=True, exist_ok=True)
+    results = load_all_results(results_dir)
+    (generated / "claims.md").write_text(claims_markdown(results))
+    lines = ["| chapter | executed in | status |", "|---|---|---|"]
+    for chapter, (ok, seconds, _) in timings.items():
+        lines.append(f"| {chapter} | {seconds:.0f} s | {'ok' if ok else '**failed**'} |")
+    (generated / "build.md").write_text(f"Profile `{profile}`.\n\n" + "\n".join(lines) + "\n")
+    (generated / "capture_points.md").write_text(_capture_points_table())
+    (generated / "architectures.md").write_text(_architectures_table())
+
+
+def _capture_points_table() -> str:
+    from .hooks import CAPTURE_POINTS
+    rows = ["| name | shape | what it is |", "|---|---|---|"]
+    for name, doc in CAPTURE_POINTS.items():
+        shape, _, what = doc.partition(") ")
+        rows.append(f"| `{name}` | {shape}) | {what} |")
+    return "\n".join(rows) + "\n"
+
+
+def _architectures_table() -> str:
+    from dataclasses import fields
+
+    from .arch import ARCHITECTURES
+    names = [f.name for f in fields(next(iter(ARCHITECTURES.values())))]
+    rows = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for spec in ARCHITECTURES.values():
+        rows.append("| " + " | ".join(f"`{getattr(spec, n)}`" for n in names) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def build(profile: str = "default", only: list[str] | None = None, device: str = "auto") -> int:
+    if profile not in PROFILES:
+        raise SystemExit(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    unknown = set(only or []) - set(CHAPTERS)
+    if unknown:
+        raise SystemExit(f"unknown chapter(s) {sorted(unknown)}; chapters: {', '.join(CHAPTERS)}")
+    where = paths(profile)
+    stage = where["stage"]
+    stage.mkdir(parents=True, exist_ok=True)
+    executed_dir = stage / "chapters"
+    timings = {}
+    for chapter in CHAPTERS:
+        if only and chapter not in only:
+            continue
+        ok, seconds, error = execute_chapter(chapter, profile, device, where["results"], executed_dir)
+        timings[chapter] = (ok, seconds, error)
+        print(f"[sinkbook] {chapter}: {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
+    for chapter in CHAPTERS:  # a chapter not executed this time keeps its last executed copy, if any
+        if not (executed_dir / f"{chapter}.ipynb").exists():
+            print(f"[sinkbook] {chapter}: no executed notebook; the book will show a placeholder", flush=True)
+            _placeholder(executed_dir / f"{chapter}.ipynb", chapter)
+    stage_book(stage)
+    write_generated(stage, where["results"], profile, timings)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "jupyter_book", "build", str(stage), "--path-output",
+                           str(where["html_parent"]), "--builder", "html"], capture_output=True, text=True)
+    book_ok = proc.returncode == 0 and (where["html_parent"] / "_build" / "html" / "index.html").exists()
+    if book_ok:
+        if where["html"].exists():
+            shutil.rmtree(where["html"])
+        shutil.move(str(where["html_parent"] / "_build" / "html"), str(where["html"]))
+        shutil.rmtree(where["html_parent"] / "_build", ignore_errors=True)
+    else:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
+    print(f"[sinkbook] jupyter-book build: {'ok' if book_ok else 'FAILED'} in {time.perf_counter() - start:.0f} s;"
+          f" open {where['html'] / 'index.html'}", flush=True)
+    failed = [c for c, (ok, _, _) in timings.items() if not ok]
+    for chapter in failed:
+        print(f"[sinkbook] chapter {chapter} failed ({timings[chapter][2][:1500]});"
+              f" its partly executed notebook: {executed_dir / (chapter + '.ipynb')}", file=sys.stderr)
+    return 0 if book_ok and not failed else 1
+
+
+def _placeholder(path: Path, chapter: str) -> None:
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(
+        f"# {chapter.replace('_', ' ').title()}\n\nThis chapter has not been executed in this build. "
+        f"Run `python -m sinkbook.book build --only {chapter}` to execute it.")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, str(path))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sinkbook.book", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="execute the notebooks and build the HTML book")
+    b.add_argument("--profile", default="default", choices=PROFILES)
+    b.add_argument("--only", nargs="*", help="execute only these chapters (others keep their last executed copy)")
+    b.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    args = parser.parse_args(argv)
+    return build(args.profile, args.only, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Model specs: built-ins, tiny families, local dirs, clear errors for what cannot be loaded here."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sinkbook import cli
+from sinkbook.arch import UnsupportedArchitecture, arch_for
+from sinkbook.models import ModelNotAvailable, architecture_info, load_model
+
+
+def test_unknown_model_names_the_alternatives():
+    with pytest.raises(ModelNotAvailable, match="smollm2-135m-instruct"):
+        load_model("no-such-model")
+
+
+def test_offline_hub_id_fails_fast_and_clearly(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailable, match="not available here"):
+        load_model("example-org/not-in-cache-model")
+
+
+def test_missing_gguf_file():
+    with pytest.raises(ModelNotAvailable, match="does not exist"):
+        load_model("/nowhere/model.gguf")
+
+
+def test_unsupported_architecture_lists_supported():
+    from transformers import GPT2Config
+    with pytest.raises(UnsupportedArchitecture, match="llama, mistral, olmo2, qwen2, qwen3"):
+        arch_for(GPT2Config())
+
+
+def test_unknown_tiny_family():
+    with pytest.raises(ModelNotAvailable, match="tiny family"):
+        load_model("tiny-bert")
+
+
+def test_local_directory_round_trip(tmp_path, loaded_model, ids):
+    lm = loaded_model("tiny-qwen3")
+    lm.model.save_pretrained(tmp_path)
+    lm.tokenizer.save_pretrained(tmp_path)
+    again = load_model(str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, again.model(ids).logits)
+    assert again.files and all(len(h) == 64 for h in again.files.values())
+
+
+@pytest.mark.parametrize("family,qk", [("llama", "none"), ("qwen3", "per-head"), ("olmo2", "layerwise"),
+                                       ("gemma3", "per-head")])
+def test_info_reports_qk_norm_kind(loaded_model, family, qk):
+    assert architecture_info(loaded_model(f"tiny-{family}"))["qk_norm"] == qk
+
+
+@pytest.mark.real_model
+def test_real_model_facts(real):
+    info = architecture_info(real)
+    expected = {"smollm2-135m-instruct": dict(family="llama", layers=30, heads=9, kv_heads=3, head_dim=64,
+                                              hidden_size=576, qk_norm="none", chat_template=True),
+                "gemma3-270m": dict(family="gemma3_text", layers=18, heads=4, kv_heads=1, head_dim=256,
+                                    hidden_size=640, qk_norm="per-head", chat_template=False)}[real.spec]
+    assert {k: info[k] for k in expected} == expected
+    assert all(len(sha) == 64 for sha in real.files.values())
+
+
+def test_cli_info_json(capsys):
+    assert cli.main(["info", "tiny-olmo2", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["qk_norm"] == "layerwise" and info["layers"] == 3
+
+
+def test_cli_error_is_one_line(capsys):
+    assert cli.main(["info", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sinkbook: error: unknown model") and "Traceback" not in err
+
+
+def test_cli_capture_writes_npz(tmp_path, capsys):
+    out = tmp_path / "a.npz"
+    assert cli.main(["capture", "tiny-gemma3", "--layer", "-1", "--prompt", "hello world", "--out", str(out)]) == 0
+    data = np.load(out)
+    heads, T, S = data["attention"].shape
+    assert (heads, T, S) == (4, 12, 12) and len(data["tokens"]) == T and int(data["layer"]) == 2
+    assert np.allclose(data["attention"].sum(-1), 1.0, atol=1e-5)
+
+
+def test_cli_capture_rejects_bad_layer(tmp_path, capsys):
+    assert cli.main(["capture", "tiny-llama", "--layer", "9", "--prompt", "x", "--out", str(tmp_path / "a.npz")]) == 2
+    assert "out of range" in capsys.readouterr().err
