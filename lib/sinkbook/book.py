@@ -122,7 +122,7 @@ def build(profile: str = "default", only: list[str] | None = None, device: str =
     stage_book(stage)
     write_generated(stage, where["results"], profile, timings)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "jupyter_book", "build", str(stage), "--path-output",
+    proc = subprocess.run([str(Path(sys.executable).with_name("jupyter-book")), "build", str(stage), "--path-output",
                            str(where["html_parent"]), "--builder", "html"], capture_output=True, text=True)
     book_ok = proc.returncode == 0 and (where["html_parent"] / "_build" / "html" / "index.html").exists()
     if book_ok:
