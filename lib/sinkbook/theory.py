@@ -435,7 +435,7 @@ def lemma1_paper_case(G: float = 3.0, B_gap: float = 0.4, n_keys: int = 64, sink
     return {
         "G_measured": float(aggregate_gap(logits)),
         "B_gap_measured": float(sink_gap(delta[None])[0]),
-        "non_sink_mass": float(1.0 - perturbed[0]),
+        "non_sink_mass": float(np.sum(perturbed[1:])),     # summed, not 1 - a', to keep relative precision
         "bound": float(sigmoid(B_gap - G)),
         "top2_bound": float(min(1.0, n_keys * math.exp(B_gap - (sink_logit - other)))),
     }
@@ -462,7 +462,7 @@ def lemma1_random(n_draws: int, seed: int, n_keys_max: int = 128) -> dict:
         rows["G"].append(G)
         rows["T"].append(T)
         rows["B_gap"].append(B)
-        rows["non_sink_mass"].append(1.0 - a_new[0])
+        rows["non_sink_mass"].append(np.sum(a_new[1:]))
         rows["bound"].append(sigmoid(B - G))
         rows["top2_bound"].append(min(1.0, n * math.exp(B - T)))
     return {k: np.array(v, dtype=float) for k, v in rows.items()}
@@ -481,7 +481,7 @@ def lemma1_top2_example(n_keys: int = 64, B_gap: float = 0.4, runner_up_gap: flo
     T = runner_up_gap
     return {
         "G": G, "T": T, "log_N": math.log(n_keys),
-        "non_sink_mass": float(1.0 - softmax(logits + delta)[0]),
+        "non_sink_mass": float(np.sum(softmax(logits + delta)[1:])),
         "aggregate_bound": float(sigmoid(B_gap - G)),
         "top2_bound_raw": float(n_keys * math.exp(B_gap - T)),
     }
