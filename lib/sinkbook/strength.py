@@ -1,0 +1,237 @@
+"""Sink Strength (VL paper, Sec. 3.2 and App. D.1): how hard each head leans on its favourite key.
+
+For layer l, head h and query q, let p* be the key with the largest attention logit. The gap
+
+    G = l_{p*} - logsumexp_{p != p*} l_p  ( = log(a_{p*} / (1 - a_{p*})) )
+
+is computed from the logits, so it stays finite and exact when a_{p*} rounds to 1 in float32.
+S is the median of G over (l, h, q) in the last K layers (K = 10) on the calibration prompts.
+
+Which queries count:
+- padded positions (left padding of a batch) are never queries and never keys;
+- a query that sees a single key (the first real token of every prompt) has no competitor, so
+  a_{p*} = 1 and G = +inf; such rows carry no information about sinks and are left out (NaN).
+  With causal attention this removes exactly the first token of each prompt. Every other real token
+  counts, chat-template tokens included (they are what the model reads).
+
+G is computed inside the attention call of each hooked layer (``intervene`` on ``"attn"``), so each
+layer's (B, H, T, T) logits are freed before the next layer runs; only (B, H, T) gaps are kept.
+The forward pass stops after the last hooked layer (no final norm, no LM head).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .hooks import capture, intervene
+
+DEFAULT_WINDOW = 10
+STRONG_SINK_G = 2.0      # G > 2 means the favourite key takes > 88% of the head's attention
+
+
+def gap_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., S) logits with masked keys at -inf -> (G, argmax key), G NaN where fewer than 2 keys are visible."""
+    logits = logits.float()
+    top, argmax = logits.max(dim=-1)
+    rest = logits.scatter(-1, argmax.unsqueeze(-1), float("-inf"))
+    others = torch.logsumexp(rest, dim=-1)
+    gap = top - others
+    gap = torch.where(torch.isfinite(gap), gap, torch.full_like(gap, float("nan")))
+    return gap, argmax
+
+
+@dataclass
+class StrengthResult:
+    """Per-layer gaps of one batch of prompts; S for any window is a reduction of these."""
+    gaps: dict                       # layer -> (B, H, T) float32, NaN where excluded
+    sink_keys: dict                  # layer -> (B, H, T) int64 argmax key (position in the padded batch)
+    n_layers: int
+    attention_mask: torch.Tensor     # (B, T)
+    seconds: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    def layers_for(self, window: int | str | None = DEFAULT_WINDOW) -> list[int]:
+        """Layer indices of the last ``window`` layers, or "early"/"middle"/"late" thirds, or all (None)."""
+        if window is None:
+            chosen = list(range(self.n_layers))
+        elif isinstance(window, str):
+            thirds = {"early": 0, "middle": 1, "late": 2}
+            if window not in thirds:
+                raise ValueError(f"window must be a number of last layers or one of {list(thirds)}, got {window!r}")
+            bounds = [round(i * self.n_layers / 3) for i in range(4)]
+            chosen = list(range(bounds[thirds[window]], bounds[thirds[window] + 1]))
+        else:
+            if not 1 <= int(window) <= self.n_layers:
+                raise ValueError(f"window K={window} is out of range: the model has {self.n_layers} layers")
+            chosen = list(range(self.n_layers - int(window), self.n_layers))
+        missing = [layer for layer in chosen if layer not in self.gaps]
+        if missing:
+            raise ValueError(f"layers {missing} were not measured; compute with layers=None (all) for this window")
+        return chosen
+
+    def values(self, window: int | str | None = DEFAULT_WINDOW) -> torch.Tensor:
+        """All finite G in the window, flattened."""
+        g = torch.cat([self.gaps[layer].flatten() for layer in self.layers_for(window)])
+        return g[~torch.isnan(g)]
+
+    def strength(self, window: int | str | None = DEFAULT_WINDOW, reduce: str = "median") -> float:
+        g = self.values(window)
+        if g.numel() == 0:
+            raise ValueError("no query has two or more visible keys; use longer prompts")
+        if reduce == "median":
+            return float(g.median()) if g.numel() % 2 else float(g.quantile(0.5))
+        if reduce == "mean":
+            return float(g.mean())
+        raise ValueError(f"reduce must be 'median' or 'mean', got {reduce!r}")
+
+    def strong_fraction(self, window: int | str | None = DEFAULT_WINDOW, threshold: float = STRONG_SINK_G) -> float:
+        """Fraction of (layer, head, query) in the window with G > threshold."""
+        g = self.values(window)
+        return float((g > threshold).float().mean())
+
+    def head_table(self, window: int | str | None = None):
+        """pandas DataFrame: one row per (layer, head) with median G, strong fraction and the sink position
+        (most frequent argmax key, counted from each prompt's first real token)."""
+        import pandas as pd
+        first_real = (self.attention_mask.cumsum(-1) == 0).sum(-1)   # (B,) index of first real token
+        rows = []
+        for layer in self.layers_for(window):
+            g, keys = self.gaps[layer], self.sink_keys[layer]
+            for head in range(g.shape[1]):
+                gh = g[:, head]
+                valid = ~torch.isnan(gh)
+                vals = gh[valid]
+                rel = (keys[:, head] - first_real[:, None])[valid]
+                rows.append({"layer": layer, "head": head, "median_G": float(vals.median()),
+                             "mean_G": float(vals.mean()), "strong_fraction": float((vals > STRONG_SINK_G).float().mean()),
+                             "sink_key": int(rel.mode().values), "sink_key_share": float((rel == rel.mode().values).float().mean())})
+        return pd.DataFrame(rows)
+
+    def quantiles(self, window: int | str | None = DEFAULT_WINDOW, qs=(0.05, 0.25, 0.5, 0.75, 0.95)) -> dict:
+        g = self.values(window)
+        return {f"q{round(q * 100):02d}": float(g.quantile(q)) for q in qs}
+
+    def summary(self, window: int | str | None = DEFAULT_WINDOW) -> dict:
+        return {"S": self.strength(window), "mean_G": self.strength(window, "mean"),
+                "strong_fraction": self.strong_fraction(window), "quantiles": self.quantiles(window),
+                "window": window, "layers": self.layers_for(window), "n_gaps": int(self.values(window).numel()),
+                "seconds": self.seconds, **self.info}
+
+
+def _n_layers(model) -> int:
+    cfg = getattr(model.config, "text_config", None) or model.config
+    return cfg.num_hidden_layers
+
+
+def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
+    """Run one forward pass and return ({layer: G (B,H,T)}, {layer: argmax key (B,H,T)}) for ``layers``."""
+    n_layers = _n_layers(model)
+    layers = list(range(n_layers)) if layers is None else sorted({(x + n_layers) % n_layers for x in layers})
+    mask = batch.get("attention_mask")
+    real = mask.bool() if mask is not None else torch.ones_like(batch["input_ids"], dtype=torch.bool)
+    gaps, keys = {}, {}
+
+    def reduce_layer(call):
+        logits = call.logits()                                     # (B, H, T, S), masked at -inf
+        S = logits.shape[-1]
+        key_real = real[:, None, None, -S:]
+        logits = logits.masked_fill(~key_real, float("-inf"))
+        gap, argmax = gap_from_logits(logits)
+        gap = gap.masked_fill(~real[:, None, -gap.shape[-1]:], float("nan"))
+        gaps[call.layer], keys[call.layer] = gap, argmax
+        return None                                                # the attention output is left as it is
+
+    edits = {("attn", layer): reduce_layer for layer in layers}
+    with torch.no_grad(), intervene(model, edits), capture(model, points=(), layers=[layers[-1]], stop_early=True):
+        model(**batch, use_cache=False)
+    return gaps, keys
+
+
+def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=None, batch_size: int = 16,
+                  window: int | None = DEFAULT_WINDOW) -> StrengthResult:
+    """Gaps G on ``prompts`` for ``layers`` (default: the last ``window`` layers; ``layers="all"`` for all)."""
+    from .models import encode
+    if not prompts:
+        raise ValueError("no prompts given")
+    n_layers = _n_layers(loaded.model)
+    if layers is None:
+        if not 1 <= int(window) <= n_layers:
+            raise ValueError(f"window K={window} is out of range: {loaded.spec} has {n_layers} layers")
+        layers = list(range(n_layers - int(window), n_layers))
+    elif layers == "all":
+        layers = list(range(n_layers))
+    start = time.perf_counter()
+    gaps, keys, masks = {}, {}, []
+    width = 0
+    chunks = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    encoded = [encode(loaded.tokenizer, chunk, chat=chat, device=loaded.device) for chunk in chunks]
+    width = max(b["input_ids"].shape[1] for b in encoded)
+    for batch in encoded:
+        g, k = gaps_for_batch(loaded.model, batch, layers)
+        pad = width - batch["input_ids"].shape[1]                  # re-pad on the left so chunks stack
+        for layer in g:
+            gaps.setdefault(layer, []).append(torch.nn.functional.pad(g[layer].cpu(), (pad, 0), value=float("nan")))
+            keys.setdefault(layer, []).append(torch.nn.functional.pad(k[layer].cpu() + pad, (pad, 0), value=0))
+        masks.append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (pad, 0), value=0))
+    seconds = time.perf_counter() - start
+    used_chat = bool(getattr(loaded.tokenizer, "chat_template", None)) if chat is None else bool(chat)
+    return StrengthResult({layer: torch.cat(v) for layer, v in gaps.items()},
+                          {layer: torch.cat(v) for layer, v in keys.items()}, n_layers, torch.cat(masks),
+                          seconds, {"model": loaded.spec, "n_prompts": len(prompts), "chat": used_chat})
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+def register_cli(subparsers) -> None:
+    cmd = subparsers.add_parser(
+        "strength", help="Sink Strength S of a model (pre-adaptation screen, VL paper Sec. 3.2)",
+        description="Median attention-logit gap G of the per-head favourite key over the last K layers.")
+    cmd.add_argument("model", help="built-in name, tiny-<family>, local dir, .gguf file or hub id")
+    cmd.add_argument("--prompts-file", help="plain-text file, one prompt per line (default: the 15 calibration prompts)")
+    cmd.add_argument("--n", type=int, default=None, help="use only the first N prompts")
+    cmd.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="last K layers (default 10)")
+    cmd.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap prompts in the chat template (default: when the tokenizer has one)")
+    cmd.add_argument("--json", action="store_true", help="print JSON")
+    cmd.add_argument("--device", default="auto")
+    cmd.set_defaults(func=cmd_strength)
+
+
+def cmd_strength(args) -> int:
+    from .models import load_model
+    from .prompts import load_prompts_file, prompt_texts
+    prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
+    if args.n is not None:
+        if args.n < 1:
+            raise ValueError(f"--n must be at least 1, got {args.n}")
+        prompts = prompts[:args.n]
+    if args.window < 1:
+        raise ValueError(f"--window must be at least 1, got {args.window}")
+    start = time.perf_counter()
+    loaded = load_model(args.model, device=args.device)
+    window = min(args.window, _n_layers(loaded.model))
+    result = sink_strength(loaded, prompts, chat=args.chat, window=window)
+    out = result.summary(window)
+    out["load_seconds"] = round(loaded.load_seconds, 3)
+    out["total_seconds"] = round(time.perf_counter() - start, 3)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    q = out["quantiles"]
+    note = f" (the model has only {window} layers)" if window < args.window else ""
+    print(f"model            {args.model}")
+    print(f"prompts          {out['n_prompts']} ({'chat template' if out['chat'] else 'raw text'})")
+    print(f"window           last {window} layers{note}, {out['n_gaps']} (layer, head, query) gaps")
+    print(f"Sink Strength S  {out['S']:.3f}   (mean G {out['mean_G']:.3f})")
+    print("G quantiles      " + "  ".join(f"{k} {v:.2f}" for k, v in q.items()))
+    print(f"strong sinks     {100 * out['strong_fraction']:.1f}% of gaps have G > {STRONG_SINK_G:g}")
+    print(f"time             {out['seconds']:.2f} s for S, {out['load_seconds']:.2f} s loading, "
+          f"{out['total_seconds']:.2f} s in all")
+    if not math.isfinite(out["S"]):
+        raise ValueError("S is not finite; the prompts may be too short")
+    return 0
