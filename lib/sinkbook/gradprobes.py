@@ -100,6 +100,30 @@ def _token_norms(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().norm(dim=-1).cpu().numpy()
 
 
+def _pre_mlp_norm(layer):
+    # Gemma3 normalises the attention output with post_attention_layernorm *before* the residual add and
+    # has a separate pre_feedforward_layernorm; in Llama post_attention_layernorm is the pre-MLP norm.
+    return getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
+
+
+def _mlp_branch_end(layer):
+    """The module whose output is added to the residual stream by the MLP branch."""
+    return getattr(layer, "post_feedforward_layernorm", None) or layer.mlp
+
+
+def text_windows(tokenizer, text: str, batch_size: int, context: int, bos: bool = True) -> torch.Tensor:
+    """(batch, context) windows of ``text`` tokenised by a pretrained model's tokenizer, evenly spaced,
+    each starting with the model's BOS token when ``bos`` and the tokenizer has one."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos_id = getattr(tokenizer, "bos_token_id", None) if bos else None
+    body = context - (bos_id is not None)
+    if len(ids) < body * batch_size:
+        raise ValueError(f"text has {len(ids)} tokens, too few for {batch_size} windows of {context}")
+    starts = np.linspace(0, len(ids) - body, batch_size, endpoint=False).astype(int)
+    rows = [([bos_id] if bos_id is not None else []) + ids[s:s + body] for s in starts]
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def probe_batch(model, input_ids: torch.Tensor, sink_eps: float = SINK_EPS, sink_t_eps: int = SINK_T_EPS) -> ProbeResult:
     """Run every probe on one batch ``input_ids`` (B, T) with loss = next-token cross-entropy on the batch."""
     if input_ids.ndim != 2:
@@ -138,9 +162,9 @@ def probe_batch(model, input_ids: torch.Tensor, sink_eps: float = SINK_EPS, sink
                 attn.q_proj.register_forward_hook(out_hook("q", i)),
                 attn.k_proj.register_forward_hook(out_hook("k", i)),
                 value_projection(attn).register_forward_hook(out_hook("v", i)),
-                layer.post_attention_layernorm.register_forward_pre_hook(in_hook("h_half", i)),
-                layer.post_attention_layernorm.register_forward_hook(out_hook("h_tilde_mlp", i)),
-                layer.mlp.register_forward_hook(out_hook("r_mlp", i)),
+                _pre_mlp_norm(layer).register_forward_pre_hook(in_hook("h_half", i)),
+                _pre_mlp_norm(layer).register_forward_hook(out_hook("h_tilde_mlp", i)),
+                _mlp_branch_end(layer).register_forward_hook(out_hook("r_mlp", i)),
             ]
         handles.append(decoder.norm.register_forward_pre_hook(in_hook("h", len(layers))))
         with _eager_attention(model), _frozen(model):
