@@ -147,7 +147,7 @@ _TEMPLATE = r"""<div class="sink-explorer" id="@ID@-box" style="font-family:sans
     Plotly.react(id, [{type: "heatmap", z: z, zmin: 0, zmax: 1, colorscale: "Viridis",
                       colorbar: {title: {text: "attention"}},
                       hovertemplate: "query %{y}<br>key %{x}<br>a = %{z:.3f}<extra></extra>"}],
-      {title: {text: d.model + " · layer " + l + " · head " + h + " · median G = " + gap.toFixed(2)},
+      {title: {text: d.model + " | layer " + l + " | head " + h + " | median G = " + gap.toFixed(2)},
        xaxis: {title: {text: "key"}, tickvals: ticks, ticktext: labels, tickangle: -60, tickfont: {size: 9}},
        yaxis: {title: {text: "query"}, tickvals: ticks, ticktext: labels, autorange: "reversed", tickfont: {size: 9}},
        margin: {l: 150, b: 150, t: 50, r: 20},
@@ -181,7 +181,7 @@ def heatmap_figure(data: dict, prompt: int, layer: int, head: int):
     sink = int(pr["sink"][layer, head])
     fig = go.Figure(go.Heatmap(z=z, zmin=0, zmax=1, colorscale="Viridis",
                                hovertemplate="query %{y}<br>key %{x}<br>a = %{z:.3f}<extra></extra>"))
-    fig.update_layout(title=f"{data['model']} · layer {layer} · head {head} · median G = {pr['gap'][layer, head]:.2f}",
+    fig.update_layout(title=f"{data['model']} | layer {layer} | head {head} | median G = {pr['gap'][layer, head]:.2f}",
                       height=600, margin=dict(l=150, b=150, t=50, r=20))
     fig.update_xaxes(title="key", tickvals=list(range(T)), ticktext=labels, tickangle=-60, tickfont=dict(size=9))
     fig.update_yaxes(title="query", tickvals=list(range(T)), ticktext=labels, autorange="reversed", tickfont=dict(size=9))

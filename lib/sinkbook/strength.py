@@ -74,6 +74,14 @@ class StrengthResult:
             raise ValueError(f"layers {missing} were not measured; compute with layers=None (all) for this window")
         return chosen
 
+    def subset(self, prompts) -> "StrengthResult":
+        """The same gaps restricted to some prompts (indices into the batch); used for sample-size sweeps
+        without recomputing (each prompt's gaps do not depend on the others in its batch)."""
+        idx = torch.as_tensor(list(prompts), dtype=torch.long)
+        return StrengthResult({k: v[idx] for k, v in self.gaps.items()}, {k: v[idx] for k, v in self.sink_keys.items()},
+                              self.n_layers, self.attention_mask[idx], self.seconds,
+                              {**self.info, "n_prompts": len(idx)})
+
     def values(self, window: int | str | None = DEFAULT_WINDOW) -> torch.Tensor:
         """All finite G in the window, flattened."""
         g = torch.cat([self.gaps[layer].flatten() for layer in self.layers_for(window)])
@@ -235,3 +243,37 @@ def cmd_strength(args) -> int:
     if not math.isfinite(out["S"]):
         raise ValueError("S is not finite; the prompts may be too short")
     return 0
+
+
+# ---- robustness sweeps (VL paper App. D.1, E.4) -------------------------------------------------------------
+
+def sample_size_sweep(result: StrengthResult, sizes=(5, 10, 15, 25, 50, 100), seeds=(0, 1, 2),
+                      window: int | str | None = DEFAULT_WINDOW):
+    """S and strong-sink fraction on random subsets of the measured prompts: one row per (N, seed).
+    Sizes larger than the number of prompts measured are skipped."""
+    import numpy as np
+    import pandas as pd
+    n_total = result.attention_mask.shape[0]
+    rows = []
+    for n in sizes:
+        if n > n_total:
+            continue
+        for seed in seeds:
+            pick = np.random.default_rng(seed).choice(n_total, size=n, replace=False)
+            sub = result.subset(sorted(pick.tolist()))
+            rows.append({"N": n, "seed": seed, "S": sub.strength(window), "mean_G": sub.strength(window, "mean"),
+                         "strong_fraction": sub.strong_fraction(window)})
+    return pd.DataFrame(rows)
+
+
+def window_sweep(result: StrengthResult, windows=(3, 5, 10, 15, 20, "early", "middle", "late")):
+    """S (median and mean) and strong fraction for each window: last K layers or a third of the decoder.
+    K larger than the model's depth is clipped to all layers (and says so in the 'layers' column)."""
+    import pandas as pd
+    rows = []
+    for window in windows:
+        w = min(window, result.n_layers) if isinstance(window, int) else window
+        layers = result.layers_for(w)
+        rows.append({"window": str(window), "layers": f"{layers[0]}-{layers[-1]}", "S": result.strength(w),
+                     "mean_G": result.strength(w, "mean"), "strong_fraction": result.strong_fraction(w)})
+    return pd.DataFrame(rows)
