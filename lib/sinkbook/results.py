@@ -138,7 +138,7 @@ def claims_markdown(results: list[dict]) -> str:
     """One markdown table of every claim of every chapter (the book's intro shows it)."""
     if not results:
         return "*No results files yet: build the book to compute them.*\n"
-    rows = ["| chapter | claim | source | paper | ours | rule | holds |", "|---|---|---|---|---|---|---|"]
+    rows = ["| chapter | claim | source | paper (or bound) | ours | rule | holds |", "|---|---|---|---|---|---|---|"]
     counts = {True: 0, False: 0, NOT_COMPARABLE: 0}
     for doc in results:
         for c in doc["claims"]:
