@@ -157,3 +157,11 @@ def test_sink_rate_formula_on_uniform_attention():
         harmonic = sum(1 / (t + 1) for t in range(t_eps)) / t_eps
         np.testing.assert_allclose(r.alpha0, harmonic, rtol=1e-5)
         assert (r.sink_rate == expected_rate).all()
+
+
+def test_intermediate_checkpoints_are_written(tmp_path):
+    corpus = _corpus()
+    train(CFG, corpus, device="cpu", use_cache=False, save=True, progress=False, root=tmp_path, checkpoint_every=2)
+    saved = sorted(p.name for p in tmp_path.glob("*.pt"))
+    assert saved == ["final.pt", "step-2.pt"]
+    assert torch.load(tmp_path / "step-2.pt", weights_only=False)["step"] == 2

@@ -168,8 +168,11 @@ def load_run(cfg: TrainConfig, corpus: Corpus, device="auto", root=None) -> Trai
 
 
 def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: bool = True, save: bool = True,
-          progress: bool = True, root: str | Path | None = None) -> TrainedRun:
-    """Train from scratch (or load the cached run with the same configuration when ``use_cache``)."""
+          progress: bool = True, root: str | Path | None = None, checkpoint_every: int | None = None) -> TrainedRun:
+    """Train from scratch (or load the cached run with the same configuration when ``use_cache``).
+
+    ``checkpoint_every``: also save the model weights every that many steps as ``step-<n>.pt`` in the run
+    folder (for probes across training), besides the final checkpoint ``final.pt``."""
     if corpus.vocab_size != cfg.vocab_size:
         raise ValueError(f"corpus tokenizer has {corpus.vocab_size} tokens but the config says {cfg.vocab_size}")
     if use_cache:
@@ -198,6 +201,11 @@ def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: boo
             raise FloatingPointError(f"training diverged at step {step} (loss {loss}); lower lr (now {cfg.lr})")
         history.append({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "seconds": time.perf_counter() - start})
+        if save and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
+            out = run_dir(cfg, root)
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save({"config": dataclasses.asdict(cfg), "step": step + 1, "model": model.state_dict()},
+                       out / f"step-{step + 1}.pt")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             evals.append({"step": step + 1, "val_loss": validation_loss(model, corpus, cfg, dev)})
             if hasattr(bar, "set_postfix"):
