@@ -193,18 +193,19 @@ def heatmap_figure(data: dict, prompt: int, layer: int, head: int):
 def widget_explorer(data: dict):
     """ipywidgets: dropdowns for prompt, layer and head over one model's ``explorer_data``."""
     import ipywidgets as widgets
-    import plotly.graph_objects as go
     prompt = widgets.Dropdown(options=[(f"{i}: {p['text'][:50]}", i) for i, p in enumerate(data["prompts"])],
                               description="prompt")
     layer = widgets.IntSlider(0, 0, data["layers"] - 1, description="layer")
     head = widgets.IntSlider(0, 0, data["heads"] - 1, description="head")
-    figure = go.FigureWidget(heatmap_figure(data, 0, 0, 0))
+    # An Output area redrawn on change: plotly's FigureWidget would need the anywidget package.
+    output = widgets.Output()
 
     def update(_=None):
-        new = heatmap_figure(data, prompt.value, layer.value, head.value)
-        with figure.batch_update():
-            figure.data[0].z = new.data[0].z
-            figure.layout = new.layout
+        from .display import show_plotly
+        output.clear_output(wait=True)
+        with output:
+            show_plotly(heatmap_figure(data, prompt.value, layer.value, head.value))
     for w in (prompt, layer, head):
         w.observe(update, names="value")
-    return widgets.VBox([widgets.HBox([prompt, layer, head]), figure])
+    update()
+    return widgets.VBox([widgets.HBox([prompt, layer, head]), output])
