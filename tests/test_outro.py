@@ -267,3 +267,37 @@ def test_persistent_sinks_and_pearson():
     assert persistent_sinks(found).tolist() == [[False, True, False, False]]
     assert pearson(torch.tensor([1.0, 2, 3]), torch.tensor([2.0, 4, 6.5])) > 0.99
     assert pearson(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == pytest.approx(-1.0)
+
+
+def test_benchmark_reports_three_settings_with_ratios():
+    from sinkbook.outro import benchmark_decoding, overhead_ratios
+    lm = load_model("tiny-llama", device="cpu")
+    rows = benchmark_decoding(lm, prompt_tokens=12, new_tokens=3, repeats=1)
+    ratios = overhead_ratios(rows)
+    assert set(ratios) == {"sdpa", "outro", "eager"}
+    assert ratios["sdpa"]["latency_ratio"] == 1.0 and all(r["prefill_s"] > 0 for r in rows)
+    assert [r["setting"] for r in rows] == ["sdpa", "outro", "eager"]     # interleaved within the repeat
+    assert hook_count(lm.model) == 0 and lm.model.config._attn_implementation == "sdpa"
+
+
+# ---- grading with lm-eval's IFEval checkers ----------------------------------------------------------------
+
+def test_ifeval_grading_is_strict_and_never_counts_excluded_checkers():
+    ifeval = pytest.importorskip("sinkbook.ifeval")
+    records = [
+        {"id": "a", "prompt": "Say hi. Do not use any commas.", "instruction_id_list": ["punctuation:no_comma"],
+         "kwargs": [{}]},
+        {"id": "b", "prompt": "Say hi in lowercase, no commas.",
+         "instruction_id_list": ["change_case:english_lowercase", "punctuation:no_comma"], "kwargs": [{}, {}]},
+    ]
+    grades = ifeval.grade(records, ["hi there", "hi, there"])
+    assert grades.rows[0]["followed"] == {"punctuation:no_comma": True}
+    assert grades.rows[1]["followed"]["punctuation:no_comma"] is False
+    try:
+        import langdetect  # noqa: F401
+        assert "change_case:english_lowercase" in grades.rows[1]["followed"]
+    except ImportError:   # the checker needs langdetect: excluded, not counted as followed
+        assert grades.rows[1]["excluded"] == ["change_case:english_lowercase"]
+        assert "change_case:english_lowercase" in grades.excluded
+    assert grades.prompt_level == 0.5
+    assert ifeval.grade(records[:1], ["   "]).prompt_level == 0.0        # empty responses never pass

@@ -177,7 +177,7 @@ class OutRo:
     # ---- hooks --------------------------------------------------------------------------------------------
 
     def _read_padding(self, module, args, kwargs):
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._call_padding = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
 
     def _detect(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
