@@ -147,7 +147,7 @@ _TEMPLATE = r"""<div class="sink-explorer" id="@ID@-box" style="font-family:sans
     Plotly.react(id, [{type: "heatmap", z: z, zmin: 0, zmax: 1, colorscale: "Viridis",
                       colorbar: {title: {text: "attention"}},
                       hovertemplate: "query %{y}<br>key %{x}<br>a = %{z:.3f}<extra></extra>"}],
-      {title: {text: d.model + " | layer " + l + " | head " + h + " | median G = " + gap.toFixed(2)},
+      {title: {text: d.model + " | layer " + l + " | head " + h + " | median G = " + gap.toFixed(2), x: 0.02, xanchor: "left"},
        xaxis: {title: {text: "key"}, tickvals: ticks, ticktext: labels, tickangle: -60, tickfont: {size: 9}},
        yaxis: {title: {text: "query"}, tickvals: ticks, ticktext: labels, autorange: "reversed", tickfont: {size: 9}},
        margin: {l: 150, b: 150, t: 50, r: 20},
