@@ -240,7 +240,10 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
     massive = set()
     for hidden in inputs.values():
         massive |= massive_dimensions(hidden, mask)
-    dims = sorted(sink_dims) if sink_dims is not None else sink_dimensions(inputs, mask)
+    if sink_dims is not None:
+        dims = sorted(sink_dims)
+    else:   # same rule as sink_dimensions(), without scanning the layers twice
+        dims = sorted(massive) if massive else sink_dimensions(inputs, mask)
     first = first_real_position(mask, mask.shape[0])
     rows, exceeding = [], torch.zeros(mask.shape[0], next(iter(inputs.values())).shape[-1])
     for layer, hidden in inputs.items():
