@@ -47,6 +47,10 @@ def _runner(loaded, prompts, batch, mode: str, window: int):
         def run():
             with torch.no_grad():
                 loaded.model(**batch, use_cache=False)
+    elif mode == "decoder":                           # the same forward without the LM head (for reference)
+        def run():
+            with torch.no_grad():
+                loaded.model.model(**batch, use_cache=False)
     else:
         def run():
             sink_strength(loaded, prompts, window=window, batch_size=len(prompts))
@@ -83,7 +87,7 @@ def measure_memory(spec: str, mode: str, n: int, window: int, device: str) -> di
 
 def measure_time(spec: str, n: int, window: int, repeats: int, device: str) -> dict:
     loaded, prompts, batch = _setup(spec, n, device)
-    runs = {mode: _runner(loaded, prompts, batch, mode, window) for mode in ("forward", "strength")}
+    runs = {mode: _runner(loaded, prompts, batch, mode, window) for mode in ("forward", "decoder", "strength")}
     for run in runs.values():                         # warm-up (first-call allocations, kernel selection)
         run()
     times = {mode: [] for mode in runs}
@@ -95,7 +99,9 @@ def measure_time(spec: str, n: int, window: int, repeats: int, device: str) -> d
             _sync(loaded.device)
             times[mode].append(time.perf_counter() - start)
     ratios = [s / f for s, f in zip(times["strength"], times["forward"])]
+    vs_decoder = [s / d for s, d in zip(times["strength"], times["decoder"])]
     return {"forward_s": statistics.median(times["forward"]), "strength_s": statistics.median(times["strength"]),
+            "decoder_s": statistics.median(times["decoder"]), "time_ratio_vs_decoder": statistics.median(vs_decoder),
             "time_ratio": statistics.median(ratios), "tokens": int(batch["attention_mask"].sum()),
             "device": loaded.device}
 
@@ -135,6 +141,8 @@ def main(argv=None) -> int:
               f"{r['time_ratio']:>8.2f}{r['forward_peak_mib']:>10.1f}{r['strength_peak_mib']:>9.1f}"
               f"{r['memory_ratio']:>8.2f}  time {'ok' if r['time_ok'] else 'MISSED'}, "
               f"memory {'ok' if r['memory_ok'] else 'MISSED'}")
+    print("without the LM head (decoder layers only) the same forward takes: " + ", ".join(
+        f"{r['model']} {r['decoder_s']:.3f} s (S costs {r['time_ratio_vs_decoder']:.2f}x that)" for r in rows))
     print(f"memory measured as {rows[0]['memory']} peak above the level before the run; "
           f"time = median of {args.repeats} interleaved runs after one warm-up")
     if args.json:
