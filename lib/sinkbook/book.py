@@ -69,7 +69,7 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
     generated = stage / "book" / "_generated"
     generated.mkdir(parents=True, exist_ok=True)
     results = load_all_results(results_dir)
-    (generated / "claims.md").write_text(claims_markdown(results))
+    (generated / "claims.md").write_text(claims_markdown(results, order=CHAPTERS))
     lines = ["| chapter | executed in | status |", "|---|---|---|"]
     for chapter, (ok, seconds, _) in timings.items():
         lines.append(f"| {chapter} | {seconds:.0f} s | {'ok' if ok else '**failed**'} |")

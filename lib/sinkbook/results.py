@@ -134,20 +134,29 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def claims_markdown(results: list[dict]) -> str:
-    """One markdown table of every claim of every chapter (the book's intro shows it)."""
+def claims_markdown(results: list[dict], order: list[str] | None = None) -> str:
+    """The claims of every chapter as markdown: a summary table, then one table per chapter."""
     if not results:
         return "*No results files yet: build the book to compute them.*\n"
-    rows = ["| chapter | claim | source | paper (or bound) | ours | rule | holds |", "|---|---|---|---|---|---|---|"]
-    counts = {True: 0, False: 0, NOT_COMPARABLE: 0}
+    rank = {name: i for i, name in enumerate(order or [])}
+    results = sorted(results, key=lambda doc: (rank.get(doc["chapter"], len(rank)), doc["chapter"]))
+
+    def tally(claims):
+        return [sum(c["holds"] is True for c in claims), sum(c["holds"] is False for c in claims),
+                sum(c["holds"] == NOT_COMPARABLE for c in claims)]
+
+    total = tally([c for doc in results for c in doc["claims"]])
+    out = [f"{total[0]} claims hold, {total[1]} do not, {total[2]} are not comparable at our scale.", "",
+           "| chapter | hold | do not hold | not comparable | models | profile |", "|---|---|---|---|---|---|"]
     for doc in results:
+        models = ", ".join(m.get("spec", "?") for m in doc.get("models", [])) or "none (synthetic)"
+        profile = doc.get("parameters", {}).get("profile", "?")
+        out.append(f"| {doc['chapter']} | " + " | ".join(map(str, tally(doc["claims"]))) + f" | {models} | {profile} |")
+    for doc in results:
+        out += ["", f"### {doc['chapter']}", "",
+                "| claim | source | paper (or bound) | ours | rule | holds |", "|---|---|---|---|---|---|"]
         for c in doc["claims"]:
-            holds = c["holds"]
-            counts[holds if holds in counts else NOT_COMPARABLE] += 1
-            mark = {True: "yes", False: "**no**"}.get(holds, "not comparable")
-            cells = [doc["chapter"], c["statement"], c["source"], _fmt(c["paper_value"]), _fmt(c["our_value"]),
-                     c["rule"], mark]
-            rows.append("| " + " | ".join(str(x).replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
-    summary = (f"{counts[True]} claims hold, {counts[False]} do not, "
-               f"{counts[NOT_COMPARABLE]} are not comparable at our scale.\n\n")
-    return summary + "\n".join(rows) + "\n"
+            mark = {True: "yes", False: "**no**"}.get(c["holds"], "not comparable")
+            cells = [c["statement"], c["source"], _fmt(c["paper_value"]), _fmt(c["our_value"]), c["rule"], mark]
+            out.append("| " + " | ".join(str(x).replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
+    return "\n".join(out) + "\n"
