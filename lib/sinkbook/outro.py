@@ -382,10 +382,14 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def mean_nll(model, input_ids: torch.Tensor, options: dict | None = None, ablate: tuple | None = None,
-             skip_first: int = 1) -> float:
+             skip_first: int = 1, chunk: int = 4) -> float:
     """Mean next-token loss (nats) of ``input_ids`` (B, T) with no padding; OutRo active with ``options``;
     ``ablate=(layer, head)`` zeroes that head's output before o_proj. The first ``skip_first`` predicted
-    tokens are left out (their context is only the sink)."""
+    tokens are left out (their context is only the sink). Sequences go through ``chunk`` at a time (Gemma's
+    262k-token vocabulary makes the logits of a large batch several GB).
+
+    Do not score mask relaxation this way: the relaxed sink row reads the whole sequence, so later positions
+    would see the future through the sink."""
     edits = {}
     if ablate is not None:
         layer, head = ablate
@@ -395,11 +399,18 @@ def mean_nll(model, input_ids: torch.Tensor, options: dict | None = None, ablate
             z[:, :, head] = 0
             return z
         edits[("z", layer)] = zero_head
-    context = OutRo(model, **options) if options is not None else contextlib.nullcontext()
-    with torch.no_grad(), context, intervene(model, edits):
-        logits = model(input_ids=input_ids).logits[:, :-1].float()
-    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-    return losses[:, skip_first:].mean().item()
+    total, count = 0.0, 0
+    for start in range(0, input_ids.shape[0], chunk):
+        ids = input_ids[start:start + chunk]
+        context = OutRo(model, **options) if options is not None else contextlib.nullcontext()
+        with torch.no_grad(), context, intervene(model, edits):
+            logits = model(input_ids=ids).logits[:, skip_first:-1]
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, skip_first + 1:].flatten(),
+                                                   reduction="sum")
+        total += losses.item()
+        count += ids[:, skip_first + 1:].numel()
+        del logits
+    return total / count
 
 
 # ---- decoding overhead (OutRo paper, Table 7) ---------------------------------------------------------------
