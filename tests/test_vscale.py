@@ -7,7 +7,15 @@ import torch
 from sinkbook.vscale import (SIGMA, VScaledProjection, apply_vscale, has_vscale, learned_theta,
                              vscale_jacobian_eigenvalues, vscale_values)
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Exact comparisons here run in float64; restore the default so other test modules keep float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def test_forward_matches_formula_per_head():
