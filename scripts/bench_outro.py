@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     ratios = overhead_ratios(rows)
     print(f"{args.model} on {loaded.device}: prompt {args.prompt_tokens} tokens, {args.new_tokens} new, "
           f"batch {args.batch_size}, {args.repeats} repeats (medians)")
-    print(f"{'setting':8} {'ms/token':>9} {'ratio':>6} {'prefill s':>9} {'peak MiB':>9} {'mem ratio':>9}")
+    print(f"{'setting':8} {'ms/token':>9} {'ratio':>6} {'prefill s':>9} {'peak MiB':>9} {'mem ratio':>9}"
+          "   (peak MiB: growth during decoding; on the CPU a coarse RSS sample)")
     for name, v in ratios.items():
         print(f"{name:8} {1000 * v['decode_s_per_token']:9.1f} {v['latency_ratio']:6.3f} {v['prefill_s']:9.3f} "
               f"{v['peak_memory_mib']:9.1f} {v['memory_ratio']:9.2f}")

@@ -535,8 +535,9 @@ def overhead_ratios(rows: list[dict]) -> dict:
     base = out["sdpa"]
     for name, values in out.items():
         values["latency_ratio"] = values["decode_s_per_token"] / base["decode_s_per_token"]
+        # below ~1 MiB the sampled RSS growth is noise (the allocator reuses freed blocks): no ratio
         values["memory_ratio"] = (values["peak_memory_mib"] / base["peak_memory_mib"]
-                                  if base["peak_memory_mib"] > 0 else float("nan"))
+                                  if base["peak_memory_mib"] >= 1.0 else float("nan"))
     return out
 
 
