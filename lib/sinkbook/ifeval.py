@@ -6,12 +6,6 @@ dropped; the prompt itself for checkers that take it), and a response follows an
 non-empty after stripping and the checker accepts it.
 
 Offline caveats, handled by trying rather than assuming:
-- lm-eval imports ``immutabledict`` and ``langdetect`` at module level. When they are not installed, a
-  stand-in is put in ``sys.modules`` only for the import: ``immutabledict`` by a read-only mapping (the
-  checkers only read constant tables from it); ``langdetect`` by a module whose ``detect`` raises
-  ``MissingDependency``. The checkers that call ``detect`` (response language, English capitals, English
-  lowercase) then fail the probe below and are reported as excluded: never counted as followed (lm-eval
-  counts a *langdetect* failure as followed, which is why the stand-in raises a different exception).
 - lm-eval tries ``nltk.download("punkt_tab")`` at import; offline that cannot succeed, so the download is
   skipped (``nltk.download`` replaced by a no-op during the import). Checkers that need punkt then fail
   the probe and are excluded.
@@ -20,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
-import types
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PROBE_RESPONSE = ("Title: <<A probe>>\n\nThis is a short probe answer, with a comma. It has two sentences.\n\n"
                   "* one\n* two\n\nP.S. done")
@@ -35,49 +26,9 @@ class MissingDependency(RuntimeError):
     """A checker needs a package or data file that is not available on this machine."""
 
 
-class _ReadOnlyDict(Mapping):
-    def __init__(self, *args, **kwargs):
-        self._data = dict(*args, **kwargs)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
-
-
-def _stand_in_modules() -> dict:
-    made = {}
-    try:
-        import immutabledict  # noqa: F401
-    except ImportError:
-        module = types.ModuleType("immutabledict")
-        module.immutabledict = _ReadOnlyDict
-        module.__sinkbook_stand_in__ = True
-        made["immutabledict"] = module
-    try:
-        import langdetect  # noqa: F401
-    except ImportError:
-        module = types.ModuleType("langdetect")
-
-        class LangDetectException(Exception):
-            pass
-
-        def detect(text):
-            raise MissingDependency("this checker needs the langdetect package, which is not installed")
-        module.LangDetectException, module.detect = LangDetectException, detect
-        module.__sinkbook_stand_in__ = True
-        made["langdetect"] = module
-    return made
-
-
 @dataclass
 class Registry:
     instructions: dict                     # instruction id -> checker class
-    stand_ins: list = field(default_factory=list)   # packages replaced by stand-ins during import
 
 
 _REGISTRY: Registry | None = None
@@ -92,23 +43,17 @@ def load_registry() -> Registry:
         import nltk
     except ImportError:
         raise MissingDependency("lm-eval's IFEval checkers need nltk; install lm-eval with its ifeval extras") from None
-    stand_ins = _stand_in_modules()
-    added = [name for name in stand_ins if name not in sys.modules]
-    sys.modules.update({name: stand_ins[name] for name in added})
     original_download = nltk.download
     nltk.download = lambda *args, **kwargs: False
     try:
         with contextlib.redirect_stdout(io.StringIO()):   # it prints "Downloaded punkt_tab" after the no-op
             from lm_eval.tasks.ifeval import instructions_registry
     except ImportError as err:
-        raise MissingDependency(f"lm-eval's IFEval checkers could not be imported: {err}. "
-                                f"Install lm-eval (pip install lm-eval) with its dependencies.") from None
+        raise MissingDependency(f"lm-eval's IFEval checkers could not be imported: {err}. Install the "
+                                f"project's pinned dependencies (langdetect, immutabledict: make setup).") from None
     finally:
         nltk.download = original_download
-        for name in added:       # keep the stand-ins out of everyone else's imports
-            if sys.modules.get(name) is stand_ins[name]:
-                del sys.modules[name]
-    _REGISTRY = Registry(dict(instructions_registry.INSTRUCTION_DICT), sorted(stand_ins))
+    _REGISTRY = Registry(dict(instructions_registry.INSTRUCTION_DICT))
     return _REGISTRY
 
 
@@ -150,7 +95,6 @@ def excluded_instructions(records: list[dict]) -> dict:
 class Grades:
     rows: list                 # per prompt: {id, followed: {instruction: bool}, excluded: [...], all_followed}
     excluded: dict             # instruction id -> reason
-    stand_ins: list
 
     @property
     def graded(self) -> list:
@@ -192,7 +136,7 @@ def grade(records: list[dict], responses: list[str]) -> Grades:
                 followed[instruction_id] = follows(instruction_id, kwargs, record["prompt"], response)
         rows.append({"id": record["id"], "followed": followed, "excluded": skipped,
                      "all_followed": bool(followed) and all(followed.values())})
-    return Grades(rows, excluded, load_registry().stand_ins)
+    return Grades(rows, excluded)
 
 
 def generate_responses(loaded, records: list[dict], max_new_tokens: int = 128, batch_size: int = 8,
