@@ -7,7 +7,7 @@ import torch
 
 from sinkbook.corpus import Corpus, sample_batch, validation_batches
 from sinkbook.gradprobes import middle_layers, probe_batch, shows_sink_and_massive_activation
-from sinkbook.trainer import TrainConfig, build_model, load_run, lr_at, param_groups, train
+from sinkbook.trainer import TrainConfig, build_model, load_checkpoints, load_run, lr_at, param_groups, train
 
 
 def _corpus(vocab=300):
@@ -165,3 +165,16 @@ def test_intermediate_checkpoints_are_written(tmp_path):
     saved = sorted(p.name for p in tmp_path.glob("*.pt"))
     assert saved == ["final.pt", "step-2.pt"]
     assert torch.load(tmp_path / "step-2.pt", weights_only=False)["step"] == 2
+
+
+def test_load_checkpoints_returns_the_saved_weights_in_step_order(tmp_path):
+    corpus = _corpus()
+    cfg = CFG.with_(steps=6, warmup_steps=1)
+    run = train(cfg, corpus, device="cpu", use_cache=False, save=True, progress=False, root=tmp_path, checkpoint_every=2)
+    found = load_checkpoints(cfg, corpus, "cpu", root=tmp_path)
+    assert [step for step, _ in found] == [2, 4, 6]
+    ids = validation_batches(corpus.val_ids, 2, 40, 0, 1)[0]
+    torch.testing.assert_close(found[-1][1](ids).logits, run.model(ids).logits)
+    # an intermediate checkpoint is a different model from the final one
+    assert not torch.equal(found[0][1](ids).logits, run.model(ids).logits)
+    assert load_checkpoints(cfg.with_(seed=5), corpus, "cpu", root=tmp_path / "none") == []

@@ -167,6 +167,23 @@ def load_run(cfg: TrainConfig, corpus: Corpus, device="auto", root=None) -> Trai
     return TrainedRun(cfg, model, state["history"], state["evals"], state["train_seconds"], True, path)
 
 
+def load_checkpoints(cfg: TrainConfig, corpus: Corpus, device="auto", root=None) -> list[tuple[int, object]]:
+    """[(step, model)] for the intermediate checkpoints of a finished run (see ``train(checkpoint_every=...)``)
+    followed by the final model, in step order; [] when the run is not cached."""
+    final = load_run(cfg, corpus, device, root)
+    if final is None:
+        return []
+    found = []
+    for path in run_dir(cfg, root).glob("step-*.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["config"] != dataclasses.asdict(cfg):
+            raise RuntimeError(f"checkpoint {path} holds a different configuration; delete that folder and rerun")
+        model = build_model(cfg, corpus.bos_id)
+        model.load_state_dict(state["model"])
+        found.append((state["step"], model.to(resolve_device(device)).eval()))
+    return sorted(found, key=lambda pair: pair[0]) + [(cfg.steps, final.model)]
+
+
 def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: bool = True, save: bool = True,
           progress: bool = True, root: str | Path | None = None, checkpoint_every: int | None = None) -> TrainedRun:
     """Train from scratch (or load the cached run with the same configuration when ``use_cache``).

@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+import torch
+
+from sinkbook.gradsinks import reported_0p3b, verdict_line, vscale_claims
+from sinkbook.results import NOT_COMPARABLE
+
+
+def _summary(r_gs, norm, ratio, sink, loss):
+    return {"median_r_gs": r_gs, "token0_norm_mean": norm, "token0_ratio_mean": ratio, "sink_rate_mean": sink,
+            "val loss": loss}
+
+
+def _claims(base, vs, sink=True, massive=True, theta=(0.3, -0.1)):
+    check = {"sink": sink, "massive": massive}
+    return {c.id: c for c in vscale_claims(base, vs, check, *theta, model_label="test model")}
+
+
+def test_reported_numbers_are_read_from_the_data_file():
+    paper = reported_0p3b()
+    assert paper["median_r_gs"] == (40, 6) and paper["token0_norm_mean"] == (1916, 346)
+    assert paper["token0_ratio_mean"] == (11.1, 3.0) and paper["val_loss"] == (2.917, 2.907)
+
+
+def test_paper_like_outcome_holds_everywhere():
+    c = _claims(_summary(40, 1916, 11.1, 0.9, 2.917), _summary(6, 346, 3.0, 0.85, 2.907))
+    assert all(claim.holds is True for claim in c.values())
+    assert c["vscale_lowers_token0_norm"].paper_value == "1916 -> 346"
+
+
+def test_opposite_outcome_fails():
+    c = _claims(_summary(5, 100, 6.0, 0.9, 3.0), _summary(7, 120, 7.0, 0.1, 3.5), theta=(-0.2, 0.1))
+    assert [k for k, v in c.items() if v.holds is True] == ["baseline_gradient_sink"]
+
+
+def test_claims_without_their_precondition_are_not_comparable():
+    c = _claims(_summary(2, 200, 2.1, 0.01, 4.3), _summary(1.3, 220, 3.2, 0.06, 4.27), sink=False, massive=False)
+    for key in ("vscale_lowers_token0_norm", "vscale_lowers_token0_ratio", "vscale_keeps_sink"):
+        assert c[key].holds == NOT_COMPARABLE, key
+        assert "not comparable" in c[key].statement
+    assert c["vscale_lowers_rgs"].holds is True          # the baseline has R_GS > 1, so this one is testable
+    assert c["vscale_loss_parity"].holds is False         # 0.03 nats apart
+    no_gradient_sink = _claims(_summary(0.8, 1, 1, 0, 1), _summary(0.5, 1, 1, 0, 1))
+    assert no_gradient_sink["vscale_lowers_rgs"].holds == NOT_COMPARABLE
+
+
+@pytest.mark.parametrize("holds, word", [(True, "Holds"), (False, "Does not hold"), (NOT_COMPARABLE, "Not comparable")])
+def test_verdict_line_says_the_verdict_first(holds, word):
+    claim = _claims(_summary(40, 1916, 11.1, 0.9, 2.917), _summary(6, 346, 3.0, 0.85, 2.907))["vscale_lowers_rgs"]
+    claim.holds = holds
+    line = verdict_line(claim)
+    assert line.startswith(word + ":") and "40 -> 6" in line and "40.00 -> 6.00" in line
+
+
+def test_training_trajectory_probes_every_checkpoint(tmp_path):
+    from sinkbook.gradsinks import training_trajectory
+    from sinkbook.gradprobes import probe_batch
+    from sinkbook.trainer import TrainConfig, build_model
+    cfg = TrainConfig(size="nano", steps=4, warmup_steps=1, batch_size=2, context=40, vocab_size=64)
+    models = [(step, build_model(cfg.with_(seed=step), bos_id=0)) for step in (2, 4)]
+    ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    ids[:, 0] = 0
+    table = training_trajectory(models, ids)
+    assert list(table.step) == [2, 4]
+    direct = probe_batch(models[1][1], ids)
+    assert table["largest alpha_0 of a head"].iloc[1] == float(direct.alpha0.max())
+    assert np.isclose(table["median R_GS"].iloc[1], np.median(direct.r_gs()))
