@@ -65,3 +65,32 @@ def test_training_trajectory_probes_every_checkpoint(tmp_path):
     direct = probe_batch(models[1][1], ids)
     assert table["largest alpha_0 of a head"].iloc[1] == float(direct.alpha0.max())
     assert np.isclose(table["median R_GS"].iloc[1], np.median(direct.r_gs()))
+
+
+def test_late_query_attention_matches_eager_attention_weights():
+    from sinkbook.gradsinks import late_query_attention, uniform_share
+    from sinkbook.trainer import TrainConfig, build_model
+    cfg = TrainConfig(size="nano", steps=4, warmup_steps=1, batch_size=2, context=40, vocab_size=64)
+    model = build_model(cfg, bos_id=0)
+    ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(1))
+    ids[:, 0] = 0
+    masks = {"bos": torch.zeros_like(ids, dtype=torch.bool), "odd": ids % 2 == 1}
+    masks["bos"][:, 0] = True
+    got = late_query_attention(model, ids, masks, first_query=8)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attn = torch.stack(model(ids, output_attentions=True).attentions)   # (L, B, H, T, S)
+    late = attn[:, :, :, 8:, :]
+    for name, m in masks.items():
+        expected = (late * m[None, :, None, None, :]).sum(-1).mean((1, 3))
+        np.testing.assert_allclose(got[name], expected.numpy(), rtol=1e-5, atol=1e-7)
+    assert got["bos"].shape == (2, 4)
+    # zero queries give uniform causal attention: the share equals the uniform expectation
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    flat = late_query_attention(model, ids, masks, first_query=8)
+    np.testing.assert_allclose(flat["odd"], uniform_share(masks["odd"], 8), rtol=1e-5)
+    np.testing.assert_allclose(flat["bos"], uniform_share(masks["bos"], 8), rtol=1e-5)
+    with pytest.raises(ValueError, match="no query"):
+        late_query_attention(model, ids[:, :8], masks, first_query=8)

@@ -89,3 +89,36 @@ def training_trajectory(checkpoints, input_ids) -> pd.DataFrame:
                      "largest alpha_0 of a head": float(probe.alpha0.max()),
                      "median R_GS": float(probe.summary()["median_r_gs"]), "sink + massive": check["both"]})
     return pd.DataFrame(rows)
+
+
+def late_query_attention(model, input_ids, key_masks: dict, first_query: int = 32) -> dict:
+    """{name: (layers, heads) array}: the mean attention mass that queries at positions >= ``first_query`` put on
+    the keys selected by each (batch, tokens) boolean mask, e.g. token 0 or every line break. Reduced per head
+    inside the capture hook, so no (layers x heads x T x T) tensor is kept."""
+    import numpy as np
+    import torch
+
+    from .hooks import capture
+    if input_ids.shape[1] <= first_query:
+        raise ValueError(f"sequences of {input_ids.shape[1]} tokens have no query at position >= {first_query}")
+    device = next(model.parameters()).device
+    masks = {name: m.to(device=device, dtype=torch.float32) for name, m in key_masks.items()}
+    shares: dict = {name: {} for name in masks}
+
+    def reduce(pattern, layer):                       # (B, H, T, S)
+        late = pattern[:, :, first_query:, :].float()
+        for name, m in masks.items():
+            shares[name][layer] = (late * m[:, None, None, :]).sum(-1).mean((0, 2)).cpu().numpy()
+        return None
+
+    with torch.no_grad(), capture(model, points=("pattern",), reducers={"pattern": reduce}):
+        model(input_ids=input_ids.to(device))
+    return {name: np.stack([per_layer[l] for l in sorted(per_layer)]) for name, per_layer in shares.items()}
+
+
+def uniform_share(key_mask, first_query: int = 32) -> float:
+    """What ``late_query_attention`` would give for a head that spreads attention evenly over the causal past."""
+    import torch
+    m = key_mask.float()
+    seen = m.cumsum(1) / torch.arange(1, m.shape[1] + 1)  # share of masked keys among 0..t
+    return float(seen[:, first_query:].mean())
