@@ -11,9 +11,9 @@ def _summary(r_gs, norm, ratio, sink, loss):
             "val loss": loss}
 
 
-def _claims(base, vs, sink=True, massive=True, theta=(0.3, -0.1)):
+def _claims(base, vs, sink=True, massive=True, theta=((0.5, 0.1), (0.2, 0.3), (-0.1, 0.2), (-0.4, -0.2))):
     check = {"sink": sink, "massive": massive}
-    return {c.id: c for c in vscale_claims(base, vs, check, *theta, model_label="test model")}
+    return {c.id: c for c in vscale_claims(base, vs, check, np.array(theta), model_label="test model")}
 
 
 def test_reported_numbers_are_read_from_the_data_file():
@@ -26,10 +26,18 @@ def test_paper_like_outcome_holds_everywhere():
     c = _claims(_summary(40, 1916, 11.1, 0.9, 2.917), _summary(6, 346, 3.0, 0.85, 2.907))
     assert all(claim.holds is True for claim in c.values())
     assert c["vscale_lowers_token0_norm"].paper_value == "1916 -> 346"
+    assert c["vscale_theta_late_negative"].our_value.startswith("75%")   # 3 of the 4 later-half values
+
+
+def test_theta_pattern_claims_read_the_sign_and_the_order():
+    base, vs = _summary(40, 1916, 11.1, 0.9, 2.917), _summary(6, 346, 3.0, 0.85, 2.907)
+    positive_everywhere = _claims(base, vs, theta=((0.7, 0.6), (0.2, 0.1)))
+    assert positive_everywhere["vscale_theta_layer_pattern"].holds is True
+    assert positive_everywhere["vscale_theta_late_negative"].holds is False
 
 
 def test_opposite_outcome_fails():
-    c = _claims(_summary(5, 100, 6.0, 0.9, 3.0), _summary(7, 120, 7.0, 0.1, 3.5), theta=(-0.2, 0.1))
+    c = _claims(_summary(5, 100, 6.0, 0.9, 3.0), _summary(7, 120, 7.0, 0.1, 3.5), theta=((-0.2,), (0.1,)))
     assert [k for k, v in c.items() if v.holds is True] == ["baseline_gradient_sink"]
 
 
@@ -94,3 +102,13 @@ def test_late_query_attention_matches_eager_attention_weights():
     np.testing.assert_allclose(flat["bos"], uniform_share(masks["bos"], 8), rtol=1e-5)
     with pytest.raises(ValueError, match="no query"):
         late_query_attention(model, ids[:, :8], masks, first_query=8)
+
+
+@pytest.mark.parametrize("sink, massive, phrase", [(True, True, "has both"), (False, True, "no attention sink"),
+                                                   (True, False, "no massive activation"), (False, False, "neither")])
+def test_scale_verdict_names_what_the_baseline_has(sink, massive, phrase):
+    from sinkbook.gradsinks import scale_verdict
+    check = {"sink": sink, "massive": massive, "sink_rate_middle": 0.6 if sink else 0.0,
+             "token0_ratio_middle_max": 6.0 if massive else 2.0}
+    text = scale_verdict(check, "xs")
+    assert phrase in text and "xs baseline" in text

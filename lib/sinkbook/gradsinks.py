@@ -27,11 +27,22 @@ def _paper(pair: tuple[float, float], fmt: str) -> str:
     return f"{pair[0]:{fmt}} -> {pair[1]:{fmt}}"
 
 
-def vscale_claims(base: dict, vscale: dict, base_check: dict, theta_early: float, theta_late: float,
-                  model_label: str, loss_tolerance: float = 0.02) -> list[Claim]:
+def theta_halves(theta) -> tuple[float, float]:
+    """Mean learned theta over the first and over the second half of the layers ((layers, heads) array)."""
+    import numpy as np
+    theta = np.asarray(theta)
+    return float(theta[: max(1, len(theta) // 2)].mean()), float(theta[len(theta) // 2:].mean())
+
+
+def vscale_claims(base: dict, vscale: dict, base_check: dict, theta, model_label: str,
+                  loss_tolerance: float = 0.02) -> list[Claim]:
     """Claims of Secs. 3 and 5 / App. C from two ``ProbeResult.summary()`` dicts (plus ``"val loss"``), the
-    baseline's ``shows_sink_and_massive_activation`` check and the mean learned theta of each half of the layers."""
+    baseline's ``shows_sink_and_massive_activation`` check and the learned theta, (layers, heads)."""
+    import numpy as np
     paper = reported_0p3b()
+    theta = np.asarray(theta)
+    theta_early, theta_late = theta_halves(theta)
+    late_negative = float((theta[len(theta) // 2:] < 0).mean())
     has_sink, has_massive = base_check["sink"], base_check["massive"]
 
     def given(precondition: bool, holds: bool):
@@ -41,7 +52,7 @@ def vscale_claims(base: dict, vscale: dict, base_check: dict, theta_early: float
     no_sink = "" if has_sink else " [baseline has no attention sink: not comparable]"
     return [
         Claim("baseline_gradient_sink", f"{SRC}, Sec. 3 / Fig. 1",
-              f"a scratch-trained baseline has a gradient sink at token 0 (median R_GS > 1); ours: {model_label}",
+              f"a scratch-trained baseline ({model_label}) has a gradient sink at token 0",
               "median R_GS 10-100", round(base["median_r_gs"], 2), "median R_GS > 1", base["median_r_gs"] > 1),
         Claim("vscale_lowers_rgs", f"{SRC}, Sec. 5 / Fig. 6 (0.3B)", "V-scale lowers the median gradient-sink ratio",
               _paper(paper["median_r_gs"], "g"), f"{base['median_r_gs']:.2f} -> {vscale['median_r_gs']:.2f}",
@@ -67,6 +78,9 @@ def vscale_claims(base: dict, vscale: dict, base_check: dict, theta_early: float
         Claim("vscale_theta_layer_pattern", f"{SRC}, App. C / Fig. 13", "learned theta is larger in early layers than in late ones",
               "positive early, negative late", f"{theta_early:+.2f} early, {theta_late:+.2f} late",
               "mean theta first half > second half", theta_early > theta_late),
+        Claim("vscale_theta_late_negative", f"{SRC}, App. C / Fig. 13", "learned theta is mostly negative in the later layers",
+              "mostly negative late", f"{late_negative:.0%} of the second half's (layer, head) values < 0",
+              "more than half negative", late_negative > 0.5),
     ]
 
 
@@ -122,3 +136,22 @@ def uniform_share(key_mask, first_query: int = 32) -> float:
     m = key_mask.float()
     seen = m.cumsum(1) / torch.arange(1, m.shape[1] + 1)  # share of masked keys among 0..t
     return float(seen[:, first_query:].mean())
+
+
+def scale_verdict(base_check: dict, size: str) -> str:
+    """What the V-scale comparison can test, given whether the chosen baseline has a sink and massive activation."""
+    sink, ratio = base_check["sink_rate_middle"], base_check["token0_ratio_middle_max"]
+    facts = f"Sink^eps(middle) {sink:.2f} (threshold 0.5), token-0 ratio {ratio:.2f} (threshold 5)"
+    if base_check["sink"] and base_check["massive"]:
+        return (f"The {size} baseline has both an attention sink and massive activation ({facts}): the V-scale "
+                f"verdicts test the paper's account on a model that has what it describes.")
+    if base_check["massive"]:
+        return (f"The {size} baseline has a massive activation on token 0 but no attention sink ({facts}): the "
+                f"verdicts on norms and gradient ratios test V-scale on a model whose token 0 is not a sink, and "
+                f"whether V-scale keeps the sink cannot be tested here.")
+    if base_check["sink"]:
+        return (f"The {size} baseline has an attention sink but no massive activation ({facts}): the norm verdicts "
+                f"are not comparable with the paper's.")
+    return (f"The {size} baseline has neither an attention sink nor massive activation ({facts}): the V-scale "
+            f"verdicts describe a model without the structures the paper studies and are not evidence either way "
+            f"on its account.")
