@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import torch
 
 from .results import NOT_COMPARABLE, REPO_ROOT, Claim
 
@@ -29,7 +31,6 @@ def _paper(pair: tuple[float, float], fmt: str) -> str:
 
 def theta_halves(theta) -> tuple[float, float]:
     """Mean learned theta over the first and over the second half of the layers ((layers, heads) array)."""
-    import numpy as np
     theta = np.asarray(theta)
     return float(theta[: max(1, len(theta) // 2)].mean()), float(theta[len(theta) // 2:].mean())
 
@@ -38,7 +39,6 @@ def vscale_claims(base: dict, vscale: dict, base_check: dict, theta, model_label
                   loss_tolerance: float = 0.02) -> list[Claim]:
     """Claims of Secs. 3 and 5 / App. C from two ``ProbeResult.summary()`` dicts (plus ``"val loss"``), the
     baseline's ``shows_sink_and_massive_activation`` check and the learned theta, (layers, heads)."""
-    import numpy as np
     paper = reported_0p3b()
     theta = np.asarray(theta)
     theta_early, theta_late = theta_halves(theta)
@@ -109,9 +109,6 @@ def late_query_attention(model, input_ids, key_masks: dict, first_query: int = 3
     """{name: (layers, heads) array}: the mean attention mass that queries at positions >= ``first_query`` put on
     the keys selected by each (batch, tokens) boolean mask, e.g. token 0 or every line break. Reduced per head
     inside the capture hook, so no (layers x heads x T x T) tensor is kept."""
-    import numpy as np
-    import torch
-
     from .hooks import capture
     if input_ids.shape[1] <= first_query:
         raise ValueError(f"sequences of {input_ids.shape[1]} tokens have no query at position >= {first_query}")
@@ -132,7 +129,6 @@ def late_query_attention(model, input_ids, key_masks: dict, first_query: int = 3
 
 def uniform_share(key_mask, first_query: int = 32) -> float:
     """What ``late_query_attention`` would give for a head that spreads attention evenly over the causal past."""
-    import torch
     m = key_mask.float()
     seen = m.cumsum(1) / torch.arange(1, m.shape[1] + 1)  # share of masked keys among 0..t
     return float(seen[:, first_query:].mean())
