@@ -112,3 +112,17 @@ def test_scale_verdict_names_what_the_baseline_has(sink, massive, phrase):
              "token0_ratio_middle_max": 6.0 if massive else 2.0}
     text = scale_verdict(check, "xs")
     assert phrase in text and "xs baseline" in text
+
+
+def test_recorded_emergence_runs_load_with_their_commands(tmp_path):
+    import json
+    from sinkbook.gradsinks import load_emergence_runs
+    assert load_emergence_runs(tmp_path).empty
+    rows = [{"step": 500, "sink_rate_middle": 0.0, "token0_ratio_middle_max": 2.0, "largest_alpha0": 0.1, "val_loss": 5.0},
+            {"step": 1000, "sink_rate_middle": 0.1, "token0_ratio_middle_max": 3.0, "largest_alpha0": 0.2, "val_loss": 4.5}]
+    (tmp_path / "a.json").write_text(json.dumps({"command": "x --batch 8 --context 64", "status": "complete", "rows": rows}))
+    runs = load_emergence_runs(tmp_path)
+    assert list(runs.run) == ["a", "a"] and list(runs["tokens (M)"]) == [500 * 8 * 64 / 1e6, 1000 * 8 * 64 / 1e6]
+    shipped = load_emergence_runs()          # the repository's own records
+    assert {"xs-8000", "nano-8000"} <= set(shipped.run)
+    assert shipped.command.str.contains("scripts/sink_emergence.py").all()

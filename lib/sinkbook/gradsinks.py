@@ -7,6 +7,7 @@ Published numbers: data/gradient_sinks_paper/reported_0p3b.csv.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +152,23 @@ def scale_verdict(base_check: dict, size: str) -> str:
     return (f"The {size} baseline has neither an attention sink nor massive activation ({facts}): the V-scale "
             f"verdicts describe a model without the structures the paper studies and are not evidence either way "
             f"on its account.")
+
+
+EMERGENCE_DIR = REPO_ROOT / "measurements" / "sink_emergence"
+
+
+def load_emergence_runs(directory: str | Path | None = None) -> pd.DataFrame:
+    """The runs recorded by ``scripts/sink_emergence.py`` (one row per probe; columns run, step, tokens (M),
+    sink_rate_middle, token0_ratio_middle_max, largest_alpha0, val_loss, status, command)."""
+    frames = []
+    for path in sorted(Path(directory or EMERGENCE_DIR).glob("*.json")):
+        record = json.loads(path.read_text())
+        rows = pd.DataFrame(record["rows"])
+        command = record.get("command", "")
+        batch = int(command.split("--batch ")[1].split()[0]) if "--batch " in command else 16
+        context = int(command.split("--context ")[1].split()[0]) if "--context " in command else 128
+        rows.insert(0, "run", path.stem)
+        rows["tokens (M)"] = rows.step * batch * context / 1e6
+        rows["status"], rows["command"] = record.get("status", ""), command
+        frames.append(rows)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
