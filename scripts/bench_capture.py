@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from sinkbook.hooks import CAPTURE_POINTS, capture
-from sinkbook.models import encode, load_model
-from sinkbook.prompts import calibration_prompts
+from sinkbook.core.hooks import CAPTURE_POINTS, capture
+from sinkbook.core.models import encode, load_model
+from sinkbook.core.prompts import calibration_prompts
 
 
 def timed_pass(model, batches, points=None) -> float:
@@ -39,7 +39,7 @@ def timed_pass(model, batches, points=None) -> float:
 def cold_load_seconds(spec: str) -> float:
     """Load into an empty cache in a fresh process, so the GGUF dequantisation is really measured."""
     with tempfile.TemporaryDirectory() as cache:
-        code = f"from sinkbook.models import load_model; print(load_model({spec!r}).load_seconds)"
+        code = f"from sinkbook.core.models import load_model; print(load_model({spec!r}).load_seconds)"
         out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SINKBOOK_CACHE": cache},
                              capture_output=True, text=True, check=True)
         return float(out.stdout.strip().splitlines()[-1])

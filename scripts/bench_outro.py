@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from sinkbook.models import ModelNotAvailable, load_model
-from sinkbook.outro import benchmark_decoding, overhead_ratios
+from sinkbook.core.models import ModelNotAvailable, load_model
+from sinkbook.interventions.outro import benchmark_decoding, overhead_ratios
 
 TARGET_RATIO = 1.10
 

@@ -31,8 +31,8 @@ def _rss_kib(field: str) -> int:
 
 
 def _setup(spec: str, n: int, device: str):
-    from sinkbook.models import encode, load_model
-    from sinkbook.prompts import prompt_texts
+    from sinkbook.core.models import encode, load_model
+    from sinkbook.core.prompts import prompt_texts
     loaded = load_model(spec, device=device)
     prompts = prompt_texts(n)
     batch = encode(loaded.tokenizer, prompts, device=loaded.device)
@@ -42,7 +42,7 @@ def _setup(spec: str, n: int, device: str):
 def _runner(loaded, prompts, batch, mode: str, window: int):
     import torch
 
-    from sinkbook.strength import sink_strength
+    from sinkbook.measures.strength import sink_strength
     if mode == "forward":
         def run():
             with torch.no_grad():

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from sinkbook.corpus import load_corpus, sample_batch
-from sinkbook.trainer import TrainConfig, build_model, lr_at, make_optimizer, resolve_device, train_step
+from sinkbook.training.corpus import load_corpus, sample_batch
+from sinkbook.training.scratch import TrainConfig, build_model, lr_at, make_optimizer, resolve_device, train_step
 
 
 def main(argv=None) -> int:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from sinkbook import trainer
-from sinkbook.corpus import load_corpus, sample_batch, validation_batches
-from sinkbook.gradprobes import probe_batch, shows_sink_and_massive_activation
+from sinkbook.training.corpus import load_corpus, sample_batch, validation_batches
+from sinkbook.measures.gradprobes import probe_batch, shows_sink_and_massive_activation
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ import functools
 import pytest
 import torch
 
-from sinkbook.models import TINY_FAMILIES, load_model
+from sinkbook.core.models import TINY_FAMILIES, load_model
 
 REAL_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from sinkbook import criteria
-from sinkbook.hooks import capture, intervene
-from sinkbook.models import encode
+from sinkbook.measures import criteria
+from sinkbook.core.hooks import capture, intervene
+from sinkbook.core.models import encode
 
 
 def _hidden_with_massive_token(B=2, T=6, D=32, dim=5, value=500.0):

@@ -15,8 +15,8 @@ import pytest
 jupyter_client = pytest.importorskip("jupyter_client")
 
 SETUP = """
-from sinkbook.models import load_model
-from sinkbook.explorer import explorer_data, widget_explorer
+from sinkbook.core.models import load_model
+from sinkbook.book.explorer import explorer_data, widget_explorer
 data = explorer_data(load_model("tiny-llama"), ["one two three four", "a b c"], chat=False)
 box = widget_explorer(data)
 prompt, layer, head = box.children[0].children

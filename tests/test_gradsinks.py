@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from sinkbook.gradsinks import reported_0p3b, verdict_line, vscale_claims
-from sinkbook.results import NOT_COMPARABLE
+from sinkbook.chapters.gradient_sinks import reported_0p3b, verdict_line, vscale_claims
+from sinkbook.book.results import NOT_COMPARABLE
 
 
 def _summary(r_gs, norm, ratio, sink, loss):
@@ -61,9 +61,9 @@ def test_verdict_line_says_the_verdict_first(holds, word):
 
 
 def test_training_trajectory_probes_every_checkpoint(tmp_path):
-    from sinkbook.gradsinks import training_trajectory
-    from sinkbook.gradprobes import probe_batch
-    from sinkbook.trainer import TrainConfig, build_model
+    from sinkbook.chapters.gradient_sinks import training_trajectory
+    from sinkbook.measures.gradprobes import probe_batch
+    from sinkbook.training.scratch import TrainConfig, build_model
     cfg = TrainConfig(size="nano", steps=4, warmup_steps=1, batch_size=2, context=40, vocab_size=64)
     models = [(step, build_model(cfg.with_(seed=step), bos_id=0)) for step in (2, 4)]
     ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -76,8 +76,8 @@ def test_training_trajectory_probes_every_checkpoint(tmp_path):
 
 
 def test_late_query_attention_matches_eager_attention_weights():
-    from sinkbook.gradsinks import late_query_attention, uniform_share
-    from sinkbook.trainer import TrainConfig, build_model
+    from sinkbook.chapters.gradient_sinks import late_query_attention, uniform_share
+    from sinkbook.training.scratch import TrainConfig, build_model
     cfg = TrainConfig(size="nano", steps=4, warmup_steps=1, batch_size=2, context=40, vocab_size=64)
     model = build_model(cfg, bos_id=0)
     ids = torch.randint(1, 64, (3, 40), generator=torch.Generator().manual_seed(1))
@@ -107,7 +107,7 @@ def test_late_query_attention_matches_eager_attention_weights():
 @pytest.mark.parametrize("sink, massive, phrase", [(True, True, "has both"), (False, True, "no attention sink"),
                                                    (True, False, "no massive activation"), (False, False, "neither")])
 def test_scale_verdict_names_what_the_baseline_has(sink, massive, phrase):
-    from sinkbook.gradsinks import scale_verdict
+    from sinkbook.chapters.gradient_sinks import scale_verdict
     check = {"sink": sink, "massive": massive, "sink_rate_middle": 0.6 if sink else 0.0,
              "token0_ratio_middle_max": 6.0 if massive else 2.0}
     text = scale_verdict(check, "xs")
@@ -116,7 +116,7 @@ def test_scale_verdict_names_what_the_baseline_has(sink, massive, phrase):
 
 def test_recorded_emergence_runs_load_with_their_commands(tmp_path):
     import json
-    from sinkbook.gradsinks import load_emergence_runs
+    from sinkbook.chapters.gradient_sinks import load_emergence_runs
     assert load_emergence_runs(tmp_path).empty
     rows = [{"step": 500, "sink_rate_middle": 0.0, "token0_ratio_middle_max": 2.0, "largest_alpha0": 0.1, "val_loss": 5.0},
             {"step": 1000, "sink_rate_middle": 0.1, "token0_ratio_middle_max": 3.0, "largest_alpha0": 0.2, "val_loss": 4.5}]

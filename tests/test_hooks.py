@@ -1,9 +1,10 @@
 """The capture and intervene contexts against transformers' own eager attention and plain forwards."""
+import numpy as np
 import pytest
 import torch
 
-from sinkbook.hooks import CAPTURE_POINTS, capture, hook_count, intervene
-from sinkbook.models import encode
+from sinkbook.core.hooks import CAPTURE_POINTS, capture, hook_count, intervene
+from sinkbook.core.models import encode
 
 
 def eager_attentions(model, **inputs):
@@ -191,3 +192,75 @@ def test_bad_arguments_give_clear_errors(loaded_model):
     with pytest.raises(ValueError, match="cannot intervene"):
         with intervene(model, {("pattern", 0): lambda x, layer: x}):
             pass
+
+
+# ---- residual-stream points, projections and gradients, on every family -------------------------------------
+
+def test_branch_points_add_up_to_the_residual_stream(tiny, ids):
+    from sinkbook.core.arch import arch_for, decoder_layers, get_module
+    model = tiny.model
+    points = ("resid_pre", "attn_in", "q_proj", "k_proj", "v_proj", "attn_out", "resid_mid", "mlp_in", "mlp_out",
+              "resid_post")
+    with torch.no_grad(), capture(model, points=points) as cap:
+        model(input_ids=ids)
+    arch = arch_for(model)
+    cfg = model.config
+    for layer in cap.layers:
+        block = decoder_layers(model)[layer]
+        torch.testing.assert_close(cap["resid_mid", layer], cap["resid_pre", layer] + cap["attn_out", layer])
+        torch.testing.assert_close(cap["resid_post", layer], cap["resid_mid", layer] + cap["mlp_out", layer])
+        expected_in = cap["resid_pre", layer] if arch.input_norm is None else \
+            get_module(block, arch.input_norm)(cap["resid_pre", layer])
+        torch.testing.assert_close(cap["attn_in", layer], expected_in)
+        q = get_module(block, arch.q_proj)(cap["attn_in", layer])
+        torch.testing.assert_close(cap["q_proj", layer], q.unflatten(-1, (cfg.num_attention_heads, -1)))
+        assert cap["k_proj", layer].shape[-2] == cfg.num_key_value_heads
+        assert cap["v_proj", layer].shape == cap["k_proj", layer].shape
+        if layer + 1 < len(cap.layers):
+            torch.testing.assert_close(cap["resid_post", layer], cap["resid_pre", layer + 1])
+
+
+def test_gradients_of_captured_points_match_autograd(tiny, ids):
+    from sinkbook.core.hooks import frozen
+    model = tiny.model
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    grads = ("resid_pre", "attn_in", "q_proj", "resid_mid", "mlp_in", "resid_post")
+    with frozen(model), capture(model, points=("pattern",), grads=grads) as cap:
+        out = model(inputs_embeds=embeds, labels=ids)
+        out.loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    # the first layer's input is the embedding (Gemma scales inside the embedding module, before this point)
+    torch.testing.assert_close(cap.grad("resid_pre", 0), embeds.grad)
+    last = cap.layers[-1]
+    # an independent route: keep the same activations in the graph and ask autograd directly
+    with frozen(model), capture(model, points=("attn_in", "resid_mid", "mlp_in"), detach=False) as plain:
+        loss = model(inputs_embeds=embeds.detach().requires_grad_(True), labels=ids).loss
+    for point in ("attn_in", "resid_mid", "mlp_in"):
+        for layer in cap.layers:
+            (direct,) = torch.autograd.grad(loss, plain[point, layer], retain_graph=True)
+            torch.testing.assert_close(cap.grad(point, layer), direct)
+    assert cap.grad("q_proj", 0).shape == cap["q_proj", 0].shape
+    assert cap.grad("resid_post", last).abs().sum() > 0
+    with pytest.raises(ValueError, match="not captured with gradients"):
+        cap.grad("pattern", 0)
+    assert hook_count(model) == 0
+
+
+def test_pattern_cannot_carry_a_gradient(tiny):
+    with pytest.raises(ValueError, match="no gradient"):
+        with capture(tiny.model, grads=("pattern",)):
+            pass
+
+
+def test_gradient_probe_runs_on_every_family(tiny, ids):
+    from sinkbook.measures.gradprobes import probe_batch
+    model = tiny.model
+    batch = torch.cat([torch.full((2, 1), tiny.tokenizer.bos_token_id), ids, ids], dim=1)   # 41 tokens, BOS first
+    r = probe_batch(model, batch)
+    L = model.config.num_hidden_layers
+    assert r.grad_h_tilde.shape == (L, batch.shape[1]) and np.isfinite(r.r_gs()).all()
+    assert (r.grad_q[:, 0] <= 1e-5 * r.grad_q[:, 1:].max()).all()
+    assert all(p.grad is None and p.requires_grad for p in model.parameters())
+    assert hook_count(model) == 0
+    for ratios in (r.attn_ratios, r.mlp_ratios):
+        assert all(np.isfinite(v).all() and (v > 0).all() for v in ratios.values())

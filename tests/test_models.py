@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from sinkbook import cli
-from sinkbook.arch import UnsupportedArchitecture, arch_for
-from sinkbook.models import ModelNotAvailable, architecture_info, load_model
+from sinkbook.book import cli
+from sinkbook.core.arch import UnsupportedArchitecture, arch_for
+from sinkbook.core.models import ModelNotAvailable, architecture_info, load_model
 
 
 def test_unknown_model_names_the_alternatives():

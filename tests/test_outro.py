@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from sinkbook.hooks import capture, hook_count
-from sinkbook.models import encode, load_model
-from sinkbook.outro import (OutRo, default_layers, detect_sinks, outro, pearson, persistent_sinks,
+from sinkbook.core.hooks import capture, hook_count
+from sinkbook.core.models import encode, load_model
+from sinkbook.interventions.outro import (OutRo, default_layers, detect_sinks, outro, pearson, persistent_sinks,
                             rotate_toward)
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -270,7 +270,7 @@ def test_persistent_sinks_and_pearson():
 
 
 def test_benchmark_reports_three_settings_with_ratios():
-    from sinkbook.outro import benchmark_decoding, overhead_ratios
+    from sinkbook.interventions.outro import benchmark_decoding, overhead_ratios
     lm = load_model("tiny-llama", device="cpu")
     rows = benchmark_decoding(lm, prompt_tokens=12, new_tokens=3, repeats=1)
     ratios = overhead_ratios(rows)

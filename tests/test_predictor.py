@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from sinkbook import predictor as P
+from sinkbook.measures import regression as P
 
 PRINT_2DP = 0.005   # a value printed with two decimals
 PRINT_3DP = 0.0005

@@ -1,30 +1,92 @@
+"""The claim model, rules, settings and the results file the book assembles."""
 import json
 
 import pytest
 
-from sinkbook.results import NOT_COMPARABLE, Claim, claims_markdown, load_all_results, write_results
+from sinkbook.book.results import claims_markdown, headline, load_all_results, tally, write_results
+from sinkbook.core.claims import NOT_COMPARABLE, Claim, Finding, MustHoldFailed, Rule, check, claim, slug
+from sinkbook.core.profiles import Profiles, SettingsError
+
+
+def _claims():
+    return [Claim("a", "measured", "VL paper, Table 5", "margin positive", 0.3, 0.31, "|d| <= 0.05", True),
+            Claim("b", "recomputed", "OutRo, Table 7", "overhead", 1.11, 1.3, "<= 1.10", False),
+            Claim("c", "measured", "GS paper, Sec. 5", "R_GS drop", 40, 3.0, "qualitative", NOT_COMPARABLE),
+            Claim("d", "math", "ours", "identity", 0, 0.0, "== 0", True, must_hold=True, origin="ours")]
 
 
 def test_results_file_round_trip(tmp_path):
-    claims = [Claim("a", "VL paper, Table 5", "margin positive", 0.3, 0.31, "|d| <= 0.05", True),
-              Claim("b", "OutRo, Table 7", "overhead", 1.11, 1.3, "<= 1.10", False),
-              Claim("c", "GS paper, Sec. 5", "R_GS drop", 40, 3.0, "qualitative", NOT_COMPARABLE)]
-    path = write_results("demo", {"profile": "quick"}, claims, models=[{"spec": "tiny-llama"}], results_dir=tmp_path)
+    path = write_results("demo", {"profile": "quick"}, _claims(), models=[{"spec": "tiny-llama"}], directory=tmp_path)
     doc = json.loads(path.read_text())
     assert {"chapter", "parameters", "models", "packages", "git_commit", "created", "claims"} <= set(doc)
-    assert [c["holds"] for c in doc["claims"]] == [True, False, NOT_COMPARABLE]
-    table = claims_markdown(load_all_results(tmp_path))
-    assert table.startswith("1 claims hold, 1 do not, 1 are not comparable")
-    assert "| demo | 1 | 1 | 1 | tiny-llama | quick |" in table
+    assert [c["holds"] for c in doc["claims"]] == [True, False, NOT_COMPARABLE, True]
+    results = load_all_results(tmp_path)
+    rows = {r["kind"]: r for r in tally(results)}
+    assert rows["measured"]["holds"] == 1 and rows["measured"][NOT_COMPARABLE] == 1
+    assert rows["recomputed"]["does not hold"] == 1 and rows["math"]["checks passed"] == "1/1"
+    assert rows["math"]["holds"] == 0                       # a must-hold check is not counted as a claim
+    text = headline(results)
+    assert text.startswith("**Measured on models run here:** 2 claims (1 holds, 0 does not hold, 1 not comparable)")
+    assert "recomputed from the papers' published tables:** 1 claims (0 holds, 1 does not hold" in text
+    table = claims_markdown(results)
+    assert "| demo | measured | 1 | 0 | 1 | 0/0 |" in table
     assert "### demo" in table and table.count("| VL paper, Table 5 |") == 1
 
 
-def test_claim_rejects_other_verdicts():
-    with pytest.raises(ValueError):
-        Claim("a", "s", "t", 1, 1, "r", "maybe")
+def test_failed_must_hold_raises_after_the_file_is_written(tmp_path):
+    bad = Claim("x", "math", "ours", "identity", 0, 1e-3, "== 0", False, must_hold=True, origin="ours")
+    with pytest.raises(MustHoldFailed, match="identity"):
+        write_results("demo", {}, [*_claims(), bad], directory=tmp_path)
+    assert (tmp_path / "demo.json").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(holds="maybe"), "holds must be"), (dict(kind="guess"), "kind must be"), (dict(id="Bad-Id"), "snake_case"),
+    (dict(origin="them"), "origin must be"), (dict(holds=NOT_COMPARABLE, must_hold=True), "cannot be")])
+def test_claim_rejects_malformed_fields(kwargs, message):
+    fields = dict(id="a", kind="measured", source="s", statement="t", paper_value=1, our_value=1, rule="r", holds=True)
+    with pytest.raises(ValueError, match=message):
+        Claim(**{**fields, **kwargs})
 
 
 def test_duplicate_claim_ids_rejected(tmp_path):
-    c = Claim("a", "s", "t", 1, 1, "r", True)
+    c = _claims()[0]
     with pytest.raises(ValueError, match="duplicate"):
-        write_results("demo", {}, [c, c], results_dir=tmp_path)
+        write_results("demo", {}, [c, c], directory=tmp_path)
+
+
+def test_rules_word_and_test_together():
+    rule = Rule.at_most(0.05, "share")
+    assert rule.text == "share <= 0.05" and rule(0.05) and not rule(0.06)
+    assert Rule.between(10, 100, "median R_GS")(10) and not Rule.between(10, 100)(100.5)
+    assert Rule.close_to(0.881, 0.0005, why="3 decimals").text == "|ours - 0.881| <= 0.0005 (3 decimals)"
+
+
+def test_claim_builder_gates_on_its_precondition_and_never_contradicts_its_verdict():
+    rule = Rule.above(1.0, "median R_GS")
+    held = claim("x", "measured", "paper", "a gradient sink", "10-100", 2.0, rule)
+    gated = claim("y", "measured", "paper", "a gradient sink", "10-100", 2.0, rule, precondition=(False, "no sink"))
+    failed = claim("z", "measured", "paper", "a gradient sink", "10-100", float("nan"), rule)
+    assert held.holds is True and held.verdict().startswith("Holds: a gradient sink")
+    assert gated.holds == NOT_COMPARABLE and "no sink" in gated.verdict() and gated.verdict().startswith("Not comparable")
+    assert failed.holds is False and failed.verdict().startswith("Does not hold")
+    assert check("k", "identity", 0.0, Rule.at_most(0.0)).must_hold
+    assert Finding("t", claims=[held, gated]).verdicts == [held.verdict(), gated.verdict()]
+    assert slug("smollm2-135m-instruct") == "smollm2_135m_instruct" and slug("0.1b") == "x0_1b"
+
+
+def test_profiles_resolve_overrides_and_refuse_what_they_do_not_know():
+    profiles = Profiles({"quick": dict(n=2, models=["tiny-llama"]), "default": dict(n=10, models=["a"]),
+                         "gpu": dict(n=50, models=["a"])})
+    s = profiles.resolve("quick", device="cpu", n=None, models=("tiny-qwen2",))
+    assert s.n == 2 and s.models == ["tiny-qwen2"] and s.as_dict()["profile"] == "quick"
+    with pytest.raises(SettingsError, match="unknown profile 'fast'; choose one of quick, default, gpu"):
+        profiles.resolve("fast")
+    with pytest.raises(SettingsError, match=r"unknown parameter\(s\) \['steps'\]"):
+        profiles.resolve("quick", steps=3)
+    with pytest.raises(SettingsError, match="should be like"):
+        profiles.resolve("quick", n="many")
+    with pytest.raises(SettingsError, match="device"):
+        profiles.resolve("quick", device="tpu")
+    with pytest.raises(ValueError, match="missing"):
+        Profiles({"quick": {}, "default": {}})

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinkbook import prompts as prompt_data
-from sinkbook import strength as sinkstrength
-from sinkbook.models import encode, load_model
-from sinkbook.strength import gap_from_logits, sink_strength
+from sinkbook.core import prompts as prompt_data
+from sinkbook.measures import strength as sinkstrength
+from sinkbook.core.models import encode, load_model
+from sinkbook.measures.strength import gap_from_logits, sink_strength
 
 TEXTS = ["The cat sat on the mat.", "A much longer sentence, so that the batch needs left padding here."]
 
@@ -141,7 +141,7 @@ def test_no_layer_logits_outlive_their_layer(loaded_model, monkeypatch):
 # ---- command line ------------------------------------------------------------------------------------------
 
 def test_cli_strength_json(capsys):
-    from sinkbook.cli import main
+    from sinkbook.book.cli import main
     assert main(["strength", "tiny-llama", "--n", "3", "--window", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_prompts"] == 3 and out["layers"] == [1, 2] and math.isfinite(out["S"])
@@ -149,7 +149,7 @@ def test_cli_strength_json(capsys):
 
 
 def test_cli_strength_text_and_errors(tmp_path, capsys):
-    from sinkbook.cli import main
+    from sinkbook.book.cli import main
     prompts = tmp_path / "p.txt"
     prompts.write_text("first prompt here\n\nsecond prompt here\n")
     assert main(["strength", "tiny-llama", "--prompts-file", str(prompts), "--window", "9"]) == 0

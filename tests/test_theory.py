@@ -1,4 +1,4 @@
-"""Property-based and exact checks of sinkbook.theory (the theorems chapter).
+"""Property-based and exact checks of sinkbook.measures.theory (the theorems chapter).
 
 Each bound is tried over random shapes and scales with hypothesis; each identity is compared with autograd.
 Several tests also assert that a bound is *attained* somewhere, so a bound made looser by mistake fails too.
@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sinkbook import theory as th
+from sinkbook.measures import theory as th
 
 FAST = settings(max_examples=30, deadline=None)
 

@@ -5,9 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from sinkbook.corpus import Corpus, sample_batch, validation_batches
-from sinkbook.gradprobes import middle_layers, probe_batch, shows_sink_and_massive_activation
-from sinkbook.trainer import TrainConfig, build_model, load_checkpoints, load_run, lr_at, param_groups, train
+from sinkbook.training.corpus import Corpus, sample_batch, validation_batches
+from sinkbook.measures.gradprobes import middle_layers, probe_batch, shows_sink_and_massive_activation
+from sinkbook.core.hooks import attention_implementation
+from sinkbook.training.loop import decay_groups as param_groups
+from sinkbook.training.scratch import TrainConfig, build_model, load_checkpoints, load_run, lr_at, train
 
 
 def _corpus(vocab=300):
@@ -102,8 +104,11 @@ def test_probes_basic_correctness(vscale):
     r = probe_batch(model, ids)
     L = model.config.num_hidden_layers
     assert r.grad_q.shape == (L, 40) and r.residual_norm.shape == (L, 40)
-    assert (r.grad_q[:, 0] == 0).all()          # causal masking: grad wrt q_0 is exactly zero
+    # causal masking: grad wrt q_0 is zero; the fused SDPA backward leaves float32 rounding, eager gives exact 0
+    assert (r.grad_q[:, 0] <= 1e-6 * r.grad_q[:, 1:].max()).all()
     assert (r.grad_q[:, 1:10] > 0).all() and (r.grad_k[:, 0] > 0).all() and (r.grad_v[:, 0] > 0).all()
+    with attention_implementation(model, "eager"):
+        assert (probe_batch(model, ids).grad_q[:, 0] == 0).all()
     assert model.config._attn_implementation == "sdpa"               # restored after the eager probe
     assert all(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
     # the reported loss is the model's own loss on that batch

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from sinkbook.vscale import (SIGMA, VScaledProjection, apply_vscale, has_vscale, learned_theta,
+from sinkbook.interventions.vscale import (SIGMA, VScaledProjection, apply_vscale, has_vscale, learned_theta,
                              vscale_jacobian_eigenvalues, vscale_values)
 
 

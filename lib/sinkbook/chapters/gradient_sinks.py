@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .results import NOT_COMPARABLE, REPO_ROOT, Claim
+from ..core.claims import NOT_COMPARABLE, Claim
+from ..core.paths import REPO_ROOT
 
 PAPER_CSV = REPO_ROOT / "data" / "gradient_sinks_paper" / "reported_0p3b.csv"
 SRC = "Gradient-sinks paper"
@@ -94,7 +95,7 @@ def verdict_line(claim: Claim) -> str:
 def training_trajectory(checkpoints, input_ids) -> pd.DataFrame:
     """Probe each (step, model) of ``trainer.load_checkpoints`` on one batch: how the attention sink, the
     token-0 norm ratio and the gradient sink grow during training (middle layers, as in the size criterion)."""
-    from .gradprobes import probe_batch, shows_sink_and_massive_activation
+    from ..measures.gradprobes import probe_batch, shows_sink_and_massive_activation
     rows = []
     for step, model in checkpoints:
         probe = probe_batch(model, input_ids)
@@ -110,7 +111,7 @@ def late_query_attention(model, input_ids, key_masks: dict, first_query: int = 3
     """{name: (layers, heads) array}: the mean attention mass that queries at positions >= ``first_query`` put on
     the keys selected by each (batch, tokens) boolean mask, e.g. token 0 or every line break. Reduced per head
     inside the capture hook, so no (layers x heads x T x T) tensor is kept."""
-    from .hooks import capture
+    from ..core.hooks import capture
     if input_ids.shape[1] <= first_query:
         raise ValueError(f"sequences of {input_ids.shape[1]} tokens have no query at position >= {first_query}")
     device = next(model.parameters()).device

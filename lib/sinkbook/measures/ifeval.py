@@ -148,7 +148,7 @@ def generate_responses(loaded, records: list[dict], max_new_tokens: int = 128, b
     """
     import torch
 
-    from .models import encode
+    from ..core.models import encode
     tokenizer, model = loaded.tokenizer, loaded.model
     out = []
     for start in range(0, len(records), batch_size):

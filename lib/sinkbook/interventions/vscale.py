@@ -1,15 +1,16 @@
 """V-scale: a learnable value-path gradient valve for Llama-style attention.
 
-Gradient-sinks paper, Sec. 5 (formula restated in shared/notes/methods.md): each value state ``v`` of
+Gradient-sinks paper, Sec. 5 (formula on the book's methods page): each value state ``v`` of
 one head, after ``v_proj`` and before the attention-weighted sum, becomes
 
     v_hat = v * ||v||^2 / (||v||^2 + C),   C = d_model * d_head * sigma^2 * exp(theta),
 
 with sigma = 0.02 and one learnable ``theta`` per (layer, value head), initialised at 0.
 
-Because a Llama ``v_proj`` output goes straight into aggregation (no RoPE on values), rescaling that output
-is exactly "after v_proj, before aggregation". We therefore wrap each layer's ``v_proj`` in a small module;
-the attention kernel itself (SDPA or eager) is untouched.
+Because a ``v_proj`` output goes straight into aggregation in the families without a value norm (no RoPE on
+values), rescaling that output is exactly "after v_proj, before aggregation". We therefore wrap each layer's
+value projection (found through the architecture table) in a small module; the attention kernel itself (SDPA
+or eager) is untouched. Families that normalise values after the projection are refused.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import math
 
 import torch
 from torch import nn
+
+from ..core.arch import arch_for, decoder_layers, get_module, head_dim, text_config
 
 SIGMA = 0.02
 
@@ -55,38 +58,60 @@ class VScaledProjection(nn.Module):
         return f"n_heads={self.n_heads}, d_head={self.d_head}, d_model={self.d_model}, sigma={self.sigma}"
 
 
+def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, name = dotted.rpartition(".")
+    setattr(get_module(root, parent) if parent else root, name, module)
+
+
 def apply_vscale(model: nn.Module, sigma: float = SIGMA) -> nn.Module:
-    """Wrap every attention layer's ``v_proj`` of a Llama-style model with V-scale (in place; returns it)."""
-    cfg = model.config
-    layers = model.model.layers
-    d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    """Wrap every layer's value projection with V-scale (in place; returns the model)."""
+    arch = arch_for(model)
+    cfg = text_config(model)
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        if isinstance(attn.v_proj, VScaledProjection):
+    for i, layer in enumerate(decoder_layers(model)):
+        proj = get_module(layer, arch.v_proj)
+        if isinstance(proj, VScaledProjection):
             raise ValueError(f"layer {i} already has V-scale; apply_vscale was called twice")
-        if not isinstance(attn.v_proj, nn.Linear):
-            raise TypeError(f"layer {i}: v_proj is {type(attn.v_proj).__name__}, expected nn.Linear (Llama-style)")
-        attn.v_proj = VScaledProjection(attn.v_proj, n_kv, d_head, cfg.hidden_size, sigma)
+        if not isinstance(proj, nn.Linear):
+            raise TypeError(f"layer {i}: the value projection is {type(proj).__name__}, expected nn.Linear")
+        _set_module(layer, arch.v_proj, VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma))
     return model
 
 
+def vscale_layers(model: nn.Module) -> list[VScaledProjection]:
+    arch = arch_for(model)
+    found = [get_module(layer, arch.v_proj) for layer in decoder_layers(model)]
+    return [m for m in found if isinstance(m, VScaledProjection)]
+
+
 def has_vscale(model: nn.Module) -> bool:
-    return any(isinstance(m, VScaledProjection) for m in model.modules())
-
-
-def value_projection(attn: nn.Module) -> nn.Linear:
-    """The plain linear map producing raw value states ``v`` (inside the V-scale wrapper when there is one)."""
-    return attn.v_proj.proj if isinstance(attn.v_proj, VScaledProjection) else attn.v_proj
+    return bool(vscale_layers(model))
 
 
 def learned_theta(model: nn.Module) -> torch.Tensor:
     """theta as a (layers, value heads) tensor; raises if the model has no V-scale."""
-    thetas = [layer.self_attn.v_proj.theta.detach().cpu() for layer in model.model.layers
-              if isinstance(layer.self_attn.v_proj, VScaledProjection)]
+    thetas = [m.theta.detach().cpu() for m in vscale_layers(model)]
     if not thetas:
         raise ValueError("this model has no V-scale layers (build it with vscale=True)")
     return torch.stack(thetas)
+
+
+@torch.no_grad()
+def raw_value_norms(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """(layers, value heads, T): ||v_t|| of the raw value states (before V-scale), mean over the batch."""
+    norms, handles = {}, []
+    for i, m in enumerate(vscale_layers(model)):
+        def keep(module, args, output, i=i, n=m.n_heads):
+            norms[i] = output.unflatten(-1, (n, -1)).float().norm(dim=-1).mean(0).T
+        handles.append(m.proj.register_forward_hook(keep))
+    try:
+        model(input_ids=input_ids.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    if not norms:
+        raise ValueError("this model has no V-scale layers")
+    return torch.stack([norms[i] for i in sorted(norms)]).cpu()
 
 
 def vscale_constant(d_model: int, d_head: int, theta: float = 0.0, sigma: float = SIGMA) -> float:

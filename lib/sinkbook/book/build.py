@@ -2,16 +2,22 @@
 
     python -m sinkbook.book build [--profile quick|default|gpu] [--only CHAPTER ...] [--device auto]
 
-The sources stay clean: each build stages the book (``_config.yml``, ``_toc.yml``, ``book/``) next to the
-executed notebooks under ``_build/stage-<profile>/`` and builds the HTML from there into
-``_build/html`` (default and gpu profiles) or ``_build/<profile>/html`` (others). Results files go to
-``results/`` for the default profile and ``_build/<profile>/results/`` otherwise, so a quick test run
-never overwrites the book's numbers. A chapter that fails is reported at the end with the path of its
-partly executed notebook; the other chapters still run and nothing they computed is lost.
+The chapters and their order come from ``sinkbook.chapters.CHAPTERS``; the book's ``_toc.yml`` is written from
+it. The sources stay clean: each build stages the book (``_config.yml``, ``book/``) next to the executed
+notebooks under ``_build/stage-<profile>/`` and builds the HTML from there into ``_build/html`` (default and
+gpu profiles) or ``_build/<profile>/html`` (others). Results files go to ``results/`` for the default profile
+and ``_build/<profile>/results/`` otherwise, so a quick test run never overwrites the book's numbers.
+
+Each chapter runs in its own papermill process whose output goes to ``_build/logs/<profile>/<chapter>.log``;
+the console shows one line per chapter (status, time). A chapter that fails is reported at the end with the
+tail of its log and the path of its partly executed notebook; the other chapters still run and nothing they
+computed is lost. In the executed copies every code cell is collapsed behind a toggle (``hide-input``) and
+the parameters cells are hidden whole (``hide-cell``): a chapter page reads as prose, figures and verdicts.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -19,11 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-from .results import REPO_ROOT, claims_markdown, load_all_results
+from ..chapters import CHAPTERS, chapter_names
+from ..core.paths import REPO_ROOT
+from .results import claims_markdown, load_all_results, summary_figure
 
-# (chapter, source notebook) in book order; _toc.yml lists the same chapters.
-CHAPTERS = ["sink_criteria", "theorems", "predictor", "outro", "gradient_sinks"]
 PROFILES = ("quick", "default", "gpu")
+# The prose pages around the chapters, in book order: (part caption, [page files]).
+PAGES_BEFORE = ("The library", ["book/capture_points", "book/methods", "book/rerun"])
 
 
 def paths(profile: str) -> dict[str, Path]:
@@ -33,33 +41,65 @@ def paths(profile: str) -> dict[str, Path]:
         "stage": base / f"stage-{profile}",
         "html_parent": out,
         "html": out / "html",
+        "logs": base / "logs" / profile,
         "results": REPO_ROOT / "results" if profile in ("default", "gpu") else base / profile / "results",
     }
 
 
-def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, executed_dir: Path,
-                    parameters: dict | None = None) -> tuple[bool, float, str]:
-    import papermill
+def toc_yaml() -> str:
+    """The book's table of contents, from the chapter registry."""
+    caption, pages = PAGES_BEFORE
+    lines = ["format: jb-book", "root: book/intro", "parts:", f"  - caption: {caption}", "    chapters:"]
+    lines += [f"      - file: {page}" for page in pages]
+    lines += ["  - caption: Chapters", "    chapters:"]
+    lines += [f"      - file: chapters/{c.name}" for c in CHAPTERS]
+    return "\n".join(lines) + "\n"
 
+
+def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, executed_dir: Path,
+                    log_dir: Path, parameters: dict | None = None) -> tuple[bool, float, str]:
+    """Run one notebook in a papermill process; returns (ok, seconds, tail of the log when it failed)."""
     source = REPO_ROOT / "notebooks" / f"{chapter}.ipynb"
     if not source.exists():
         return False, 0.0, f"notebook {source} is missing"
     executed_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
     target = executed_dir / f"{chapter}.ipynb"
-    os.environ["SINKBOOK_RESULTS_DIR"] = str(results_dir)   # the kernel inherits it
+    params = {"profile": profile, "device": device, **(parameters or {})}
+    command = [sys.executable, "-m", "papermill", str(source), str(target), "--cwd", str(REPO_ROOT),
+               "-k", "python3", "--no-progress-bar", "--log-level", "ERROR", "-y", json.dumps(params)]
+    env = {**os.environ, "SINKBOOK_RESULTS_DIR": str(results_dir), "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
-    try:
-        papermill.execute_notebook(str(source), str(target), cwd=str(REPO_ROOT), progress_bar=False,
-                                   parameters={"profile": profile, "device": device, **(parameters or {})},
-                                   kernel_name="python3")
-    except Exception as err:  # papermill saved the partly executed notebook; report and go on
-        return False, time.perf_counter() - start, f"{type(err).__name__}: {str(err).strip()[-2000:]}"
-    return True, time.perf_counter() - start, ""
+    log = log_dir / f"{chapter}.log"
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    seconds = time.perf_counter() - start
+    if target.exists():
+        present_for_reading(target)
+    if done.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-25:]
+        return False, seconds, "\n".join(tail)
+    return True, seconds, ""
+
+
+def present_for_reading(notebook: Path) -> None:
+    """Collapse code behind toggles in an executed notebook: hide-input everywhere, parameters cells hidden."""
+    import nbformat
+    nb = nbformat.read(str(notebook), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        tags = list(cell.metadata.get("tags", []))
+        wanted = "hide-cell" if ("parameters" in tags or "injected-parameters" in tags) else "hide-input"
+        if wanted not in tags:
+            tags.append(wanted)
+        cell.metadata["tags"] = tags
+    nbformat.write(nb, str(notebook))
 
 
 def stage_book(stage: Path) -> None:
-    for name in ("_config.yml", "_toc.yml"):
-        shutil.copy2(REPO_ROOT / name, stage / name)
+    shutil.copy2(REPO_ROOT / "_config.yml", stage / "_config.yml")
+    (stage / "_toc.yml").write_text(toc_yaml())
     if (stage / "book").exists():
         shutil.rmtree(stage / "book")
     shutil.copytree(REPO_ROOT / "book", stage / "book", symlinks=False)
@@ -69,7 +109,11 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
     generated = stage / "book" / "_generated"
     generated.mkdir(parents=True, exist_ok=True)
     results = load_all_results(results_dir)
-    (generated / "claims.md").write_text(claims_markdown(results, order=CHAPTERS))
+    figure = None
+    if results:
+        summary_figure(results, generated / "claims_summary.svg", order=chapter_names())
+        figure = "claims_summary.svg"
+    (generated / "claims.md").write_text(claims_markdown(results, order=chapter_names(), figure=figure))
     lines = ["| chapter | executed in | status |", "|---|---|---|"]
     for chapter, (ok, seconds, _) in timings.items():
         lines.append(f"| {chapter} | {seconds:.0f} s | {'ok' if ok else '**failed**'} |")
@@ -79,7 +123,7 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
 
 
 def _capture_points_table() -> str:
-    from .hooks import CAPTURE_POINTS
+    from ..core.hooks import CAPTURE_POINTS
     rows = ["| name | shape | what it is |", "|---|---|---|"]
     for name, doc in CAPTURE_POINTS.items():
         shape, _, what = doc.partition(") ")
@@ -90,7 +134,7 @@ def _capture_points_table() -> str:
 def _architectures_table() -> str:
     from dataclasses import fields
 
-    from .arch import ARCHITECTURES
+    from ..core.arch import ARCHITECTURES
     names = [f.name for f in fields(next(iter(ARCHITECTURES.values())))]
     rows = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
     for spec in ARCHITECTURES.values():
@@ -101,21 +145,22 @@ def _architectures_table() -> str:
 def build(profile: str = "default", only: list[str] | None = None, device: str = "auto") -> int:
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
-    unknown = set(only or []) - set(CHAPTERS)
+    unknown = set(only or []) - set(chapter_names())
     if unknown:
-        raise SystemExit(f"unknown chapter(s) {sorted(unknown)}; chapters: {', '.join(CHAPTERS)}")
+        raise SystemExit(f"unknown chapter(s) {sorted(unknown)}; chapters: {', '.join(chapter_names())}")
     where = paths(profile)
     stage = where["stage"]
     stage.mkdir(parents=True, exist_ok=True)
     executed_dir = stage / "chapters"
     timings = {}
-    for chapter in CHAPTERS:
+    for chapter in chapter_names():
         if only and chapter not in only:
             continue
-        ok, seconds, error = execute_chapter(chapter, profile, device, where["results"], executed_dir)
+        print(f"[sinkbook] {chapter}: running (log {where['logs'] / (chapter + '.log')})", flush=True)
+        ok, seconds, error = execute_chapter(chapter, profile, device, where["results"], executed_dir, where["logs"])
         timings[chapter] = (ok, seconds, error)
         print(f"[sinkbook] {chapter}: {'ok' if ok else 'FAILED'} in {seconds:.0f} s", flush=True)
-    for chapter in CHAPTERS:  # a chapter not executed this time keeps its last executed copy, if any
+    for chapter in chapter_names():  # a chapter not executed this time keeps its last executed copy, if any
         if not (executed_dir / f"{chapter}.ipynb").exists():
             print(f"[sinkbook] {chapter}: no executed notebook; the book will show a placeholder", flush=True)
             _placeholder(executed_dir / f"{chapter}.ipynb", chapter)
@@ -124,6 +169,7 @@ def build(profile: str = "default", only: list[str] | None = None, device: str =
     start = time.perf_counter()
     proc = subprocess.run([str(Path(sys.executable).with_name("jupyter-book")), "build", str(stage), "--path-output",
                            str(where["html_parent"]), "--builder", "html"], capture_output=True, text=True)
+    (where["logs"] / "jupyter-book.log").write_text(proc.stdout + proc.stderr)
     book_ok = proc.returncode == 0 and (where["html_parent"] / "_build" / "html" / "index.html").exists()
     if book_ok:
         if where["html"].exists():
@@ -136,16 +182,17 @@ def build(profile: str = "default", only: list[str] | None = None, device: str =
           f" open {where['html'] / 'index.html'}", flush=True)
     failed = [c for c, (ok, _, _) in timings.items() if not ok]
     for chapter in failed:
-        print(f"[sinkbook] chapter {chapter} failed ({timings[chapter][2][:1500]});"
-              f" its partly executed notebook: {executed_dir / (chapter + '.ipynb')}", file=sys.stderr)
+        print(f"[sinkbook] chapter {chapter} failed; its partly executed notebook: "
+              f"{executed_dir / (chapter + '.ipynb')}; end of its log:\n{timings[chapter][2]}", file=sys.stderr)
     return 0 if book_ok and not failed else 1
 
 
 def _placeholder(path: Path, chapter: str) -> None:
     import nbformat
+    title = next(c.title for c in CHAPTERS if c.name == chapter)
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_markdown_cell(
-        f"# {chapter.replace('_', ' ').title()}\n\nThis chapter has not been executed in this build. "
+        f"# {title}\n\nThis chapter has not been executed in this build. "
         f"Run `python -m sinkbook.book build --only {chapter}` to execute it.")]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(path))

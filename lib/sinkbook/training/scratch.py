@@ -1,23 +1,25 @@
-"""A small, deterministic trainer for LlamaForCausalLM models built from a named size.
+"""LlamaForCausalLM models trained from scratch on the Shakespeare corpus, with or without V-scale.
 
-Recipe of the gradient-sinks paper (App. B, restated in shared/notes/methods.md): AdamW with betas
-(0.9, 0.95), weight decay 0.1 on 2-D weights only, gradient clipping at 1.0, cosine schedule after a linear
-warm-up; initialisation std 0.02. Runs are cached under ``${SINKBOOK_CACHE:-~/.cache/sinkbook}/runs/<key>/``,
-where the key hashes the whole configuration (seed included), so a rebuild reuses a finished run.
+Recipe of the gradient-sinks paper (App. B; see the book's methods page): AdamW with betas (0.9, 0.95), weight
+decay 0.1 on 2-D weights only, gradient clipping at 1.0, cosine schedule after a linear warm-up; initialisation
+std 0.02. Training runs through ``training.loop.fit``. Runs are cached under
+``${SINKBOOK_CACHE:-~/.cache/sinkbook}/runs/<key>/``, where the key hashes the whole configuration (seed
+included), so a rebuild reuses a finished run.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import math
-import time
 from pathlib import Path
 
 import torch
 
-from .corpus import Corpus, cache_root, sample_batch, validation_batches
-from .vscale import apply_vscale
+from ..core.models import resolve_device
+from ..core.paths import cache_root
+from ..interventions.vscale import apply_vscale
+from .corpus import Corpus, sample_batch, validation_batches
+from .loop import Checkpoint, Every, decay_groups, fit, warmup_cosine
 
 # name: (layers, d_model, heads, d_ff). d_head = d_model / heads.
 SIZES = {
@@ -48,35 +50,47 @@ class TrainConfig:
     vocab_size: int = 4096
     eval_every: int = 100
     eval_batches: int = 8
+    shape: tuple | None = None      # (layers, d_model, heads, d_ff) instead of the named size's shape
 
     def __post_init__(self):
         if self.size not in SIZES:
             raise ValueError(f"unknown model size {self.size!r}; choose one of {sorted(SIZES)}")
+        if self.shape is not None:
+            shape = tuple(int(x) for x in self.shape)
+            if len(shape) != 4 or min(shape) < 1 or shape[1] % shape[2]:
+                raise ValueError(f"shape must be (layers, d_model, heads, d_ff) with d_model divisible by heads, "
+                                 f"got {self.shape!r}")
+            object.__setattr__(self, "shape", shape)
         for name in ("steps", "batch_size", "context", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps must lie in [0, steps={self.steps}], got {self.warmup_steps}")
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return self.shape or SIZES[self.size]
+
+    def record(self) -> dict:
+        """The configuration as stored in a run and hashed into its key."""
+        fields = dataclasses.asdict(self)
+        if fields["shape"] is None:        # runs cached before ``shape`` existed keep their key
+            del fields["shape"]
+        else:
+            fields["shape"] = list(fields["shape"])
+        return fields
+
     def key(self) -> str:
-        blob = json.dumps({"format": RUN_FORMAT, **dataclasses.asdict(self)}, sort_keys=True)
+        blob = json.dumps({"format": RUN_FORMAT, **self.record()}, sort_keys=True)
         return f"{self.size}-{'vscale' if self.vscale else 'base'}-s{self.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def with_(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for but torch sees no CUDA device; use device='cpu' or 'auto'")
-    return torch.device(device)
-
-
 def llama_config(cfg: TrainConfig, bos_id: int):
     from transformers import LlamaConfig
-    layers, d_model, heads, d_ff = SIZES[cfg.size]
+    layers, d_model, heads, d_ff = cfg.dims
     return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=d_model, intermediate_size=d_ff,
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                        max_position_embeddings=max(cfg.context, 128), initializer_range=0.02,
@@ -95,19 +109,9 @@ def build_model(cfg: TrainConfig, bos_id: int, attn_implementation: str = "sdpa"
     return model
 
 
-def param_groups(model, weight_decay: float):
-    """Weight decay on matrices (2-D) only; norms' gains and V-scale's theta are 1-D and left undecayed."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return warmup_cosine(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)(step)
 
 
 @torch.no_grad()
@@ -124,19 +128,7 @@ def validation_loss(model, corpus: Corpus, cfg: TrainConfig, device=None) -> flo
 
 
 def make_optimizer(model, cfg: TrainConfig):
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def train_step(model, optimizer, batch: torch.Tensor, lr: float, clip: float) -> tuple[float, float]:
-    """One optimisation step; returns (loss, gradient norm before clipping)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss = model(input_ids=batch, labels=batch).loss
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    return float(loss.detach()), float(grad_norm)
+    return torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 @dataclasses.dataclass
@@ -159,7 +151,7 @@ def load_run(cfg: TrainConfig, corpus: Corpus, device="auto", root=None) -> Trai
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
-    if state["config"] != dataclasses.asdict(cfg):
+    if state["config"] != cfg.record():
         raise RuntimeError(f"cached run {path} holds a different configuration; delete that folder and rerun")
     model = build_model(cfg, corpus.bos_id)
     model.load_state_dict(state["model"])
@@ -176,7 +168,7 @@ def load_checkpoints(cfg: TrainConfig, corpus: Corpus, device="auto", root=None)
     found = []
     for path in run_dir(cfg, root).glob("step-*.pt"):
         state = torch.load(path, map_location="cpu", weights_only=False)
-        if state["config"] != dataclasses.asdict(cfg):
+        if state["config"] != cfg.record():
             raise RuntimeError(f"checkpoint {path} holds a different configuration; delete that folder and rerun")
         model = build_model(cfg, corpus.bos_id)
         model.load_state_dict(state["model"])
@@ -185,11 +177,13 @@ def load_checkpoints(cfg: TrainConfig, corpus: Corpus, device="auto", root=None)
 
 
 def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: bool = True, save: bool = True,
-          progress: bool = True, root: str | Path | None = None, checkpoint_every: int | None = None) -> TrainedRun:
+          progress: bool = True, root: str | Path | None = None, checkpoint_every: int | None = None,
+          callbacks: list | None = None) -> TrainedRun:
     """Train from scratch (or load the cached run with the same configuration when ``use_cache``).
 
     ``checkpoint_every``: also save the model weights every that many steps as ``step-<n>.pt`` in the run
-    folder (for probes across training), besides the final checkpoint ``final.pt``."""
+    folder (for probes across training), besides the final checkpoint ``final.pt``. ``callbacks`` are
+    passed on to ``fit`` (e.g. ``Every(n, probe)``); a cached run does not call them."""
     if corpus.vocab_size != cfg.vocab_size:
         raise ValueError(f"corpus tokenizer has {corpus.vocab_size} tokens but the config says {cfg.vocab_size}")
     if use_cache:
@@ -198,45 +192,25 @@ def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: boo
             return cached
     dev = resolve_device(device)
     model = build_model(cfg, corpus.bos_id).to(dev)
-    model.train()
     optimizer = make_optimizer(model, cfg)
-    batches = torch.Generator().manual_seed(cfg.seed + 1)   # data order: same for baseline and V-scale
+    order = torch.Generator().manual_seed(cfg.seed + 1)   # data order: same for baseline and V-scale
     bos = corpus.bos_id if cfg.bos else None
-    history, evals = [], []
-    try:
-        from tqdm.auto import tqdm
-        bar = tqdm(range(cfg.steps), desc=f"{cfg.size} {'V-scale' if cfg.vscale else 'baseline'}",
-                   disable=not progress, mininterval=2.0)
-    except ImportError:  # tqdm is a declared dependency; this only keeps a bare environment working
-        bar = range(cfg.steps)
-    start = time.perf_counter()
-    for step in bar:
-        batch = sample_batch(corpus.train_ids, cfg.batch_size, cfg.context, bos, batches).to(dev)
-        lr = lr_at(step, cfg)
-        loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.clip)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training diverged at step {step} (loss {loss}); lower lr (now {cfg.lr})")
-        history.append({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                        "seconds": time.perf_counter() - start})
-        if save and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < cfg.steps:
-            out = run_dir(cfg, root)
-            out.mkdir(parents=True, exist_ok=True)
-            torch.save({"config": dataclasses.asdict(cfg), "step": step + 1, "model": model.state_dict()},
-                       out / f"step-{step + 1}.pt")
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            evals.append({"step": step + 1, "val_loss": validation_loss(model, corpus, cfg, dev)})
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(loss=f"{loss:.3f}", val=f"{evals[-1]['val_loss']:.3f}")
-    train_seconds = time.perf_counter() - start
-    model.eval()
+    evaluate = Every(cfg.eval_every, lambda step, m: {"val_loss": validation_loss(m, corpus, cfg, dev)}, "eval")
+    extra = list(callbacks or [])
+    if save and checkpoint_every:
+        extra.append(Checkpoint(checkpoint_every, run_dir(cfg, root), {"config": cfg.record()}))
+    result = fit(model, optimizer, lambda step: sample_batch(corpus.train_ids, cfg.batch_size, cfg.context, bos, order),
+                 cfg.steps, lambda step: lr_at(step, cfg), clip=cfg.clip, callbacks=[*extra, evaluate],
+                 progress=progress, desc=f"{cfg.size} {'V-scale' if cfg.vscale else 'baseline'}")
+    evals = [{"step": r["step"], "val_loss": r["val_loss"]} for r in evaluate.rows]
     path = None
     if save:
         out = run_dir(cfg, root)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "final.pt"
         tmp = out / "final.pt.tmp"
-        torch.save({"config": dataclasses.asdict(cfg), "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "history": history, "evals": evals,
-                    "train_seconds": train_seconds, "torch": torch.__version__}, tmp)
+        torch.save({"config": cfg.record(), "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "history": result.history, "evals": evals,
+                    "train_seconds": result.seconds, "torch": torch.__version__}, tmp)
         tmp.replace(path)
-    return TrainedRun(cfg, model, history, evals, train_seconds, False, path)
+    return TrainedRun(cfg, model, result.history, evals, result.seconds, False, path)

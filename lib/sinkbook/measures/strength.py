@@ -20,15 +20,13 @@ The forward pass stops after the last hooked layer (no final norm, no LM head).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .hooks import capture, intervene
+from ..core.arch import n_layers as layer_count
+from ..core.hooks import capture, intervene
 
 DEFAULT_WINDOW = 10
 STRONG_SINK_G = 2.0      # G > 2 means the favourite key takes > 88% of the head's attention
@@ -131,14 +129,9 @@ class StrengthResult:
                 "seconds": self.seconds, **self.info}
 
 
-def _n_layers(model) -> int:
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return cfg.num_hidden_layers
-
-
 def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
     """Run one forward pass and return ({layer: G (B,H,T)}, {layer: argmax key (B,H,T)}) for ``layers``."""
-    n_layers = _n_layers(model)
+    n_layers = layer_count(model)
     layers = list(range(n_layers)) if layers is None else sorted({(x + n_layers) % n_layers for x in layers})
     mask = batch.get("attention_mask")
     real = mask.bool() if mask is not None else torch.ones_like(batch["input_ids"], dtype=torch.bool)
@@ -163,10 +156,10 @@ def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
 def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=None, batch_size: int = 16,
                   window: int | None = DEFAULT_WINDOW) -> StrengthResult:
     """Gaps G on ``prompts`` for ``layers`` (default: the last ``window`` layers; ``layers="all"`` for all)."""
-    from .models import encode
+    from ..core.models import encode
     if not prompts:
         raise ValueError("no prompts given")
-    n_layers = _n_layers(loaded.model)
+    n_layers = layer_count(loaded.model)
     if layers is None:
         if not 1 <= int(window) <= n_layers:
             raise ValueError(f"window K={window} is out of range: {loaded.spec} has {n_layers} layers")
@@ -191,58 +184,6 @@ def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=N
     return StrengthResult({layer: torch.cat(v) for layer, v in gaps.items()},
                           {layer: torch.cat(v) for layer, v in keys.items()}, n_layers, torch.cat(masks),
                           seconds, {"model": loaded.spec, "n_prompts": len(prompts), "chat": used_chat})
-
-
-# ---- command line ---------------------------------------------------------------------------------------
-
-def register_cli(subparsers) -> None:
-    cmd = subparsers.add_parser(
-        "strength", help="Sink Strength S of a model (pre-adaptation screen, VL paper Sec. 3.2)",
-        description="Median attention-logit gap G of the per-head favourite key over the last K layers.")
-    cmd.add_argument("model", help="built-in name, tiny-<family>, local dir, .gguf file or hub id")
-    cmd.add_argument("--prompts-file", help="plain-text file, one prompt per line (default: the 15 calibration prompts)")
-    cmd.add_argument("--n", type=int, default=None, help="use only the first N prompts")
-    cmd.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="last K layers (default 10)")
-    cmd.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                     help="wrap prompts in the chat template (default: when the tokenizer has one)")
-    cmd.add_argument("--json", action="store_true", help="print JSON")
-    cmd.add_argument("--device", default="auto")
-    cmd.set_defaults(func=cmd_strength)
-
-
-def cmd_strength(args) -> int:
-    from .models import load_model
-    from .prompts import load_prompts_file, prompt_texts
-    prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
-    if args.n is not None:
-        if args.n < 1:
-            raise ValueError(f"--n must be at least 1, got {args.n}")
-        prompts = prompts[:args.n]
-    if args.window < 1:
-        raise ValueError(f"--window must be at least 1, got {args.window}")
-    start = time.perf_counter()
-    loaded = load_model(args.model, device=args.device)
-    window = min(args.window, _n_layers(loaded.model))
-    result = sink_strength(loaded, prompts, chat=args.chat, window=window)
-    out = result.summary(window)
-    out["load_seconds"] = round(loaded.load_seconds, 3)
-    out["total_seconds"] = round(time.perf_counter() - start, 3)
-    if args.json:
-        print(json.dumps(out, indent=1))
-        return 0
-    q = out["quantiles"]
-    note = f" (the model has only {window} layers)" if window < args.window else ""
-    print(f"model            {args.model}")
-    print(f"prompts          {out['n_prompts']} ({'chat template' if out['chat'] else 'raw text'})")
-    print(f"window           last {window} layers{note}, {out['n_gaps']} (layer, head, query) gaps")
-    print(f"Sink Strength S  {out['S']:.3f}   (mean G {out['mean_G']:.3f})")
-    print("G quantiles      " + "  ".join(f"{k} {v:.2f}" for k, v in q.items()))
-    print(f"strong sinks     {100 * out['strong_fraction']:.1f}% of gaps have G > {STRONG_SINK_G:g}")
-    print(f"time             {out['seconds']:.2f} s for S, {out['load_seconds']:.2f} s loading, "
-          f"{out['total_seconds']:.2f} s in all")
-    if not math.isfinite(out["S"]):
-        raise ValueError("S is not finite; the prompts may be too short")
-    return 0
 
 
 # ---- robustness sweeps (VL paper App. D.1, E.4) -------------------------------------------------------------

@@ -16,8 +16,8 @@ import uuid
 import numpy as np
 import torch
 
-from .hooks import intervene
-from .strength import gap_from_logits
+from ..core.hooks import intervene
+from ..measures.strength import gap_from_logits
 
 
 def explorer_data(loaded, prompts: list[str], chat: bool | None = None, max_tokens: int = 64) -> dict:
@@ -27,7 +27,7 @@ def explorer_data(loaded, prompts: list[str], chat: bool | None = None, max_toke
     "gap" (L, H) median G over queries 1.., "sink" (L, H) most frequent argmax key}]}. Prompts longer than
     ``max_tokens`` are cut (the page grows with T^2).
     """
-    from .models import encode
+    from ..core.models import encode
     model = loaded.model
     cfg = getattr(model.config, "text_config", None) or model.config
     n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads

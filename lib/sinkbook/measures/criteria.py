@@ -1,6 +1,7 @@
 """Which tokens are attention sinks: the criteria of the OutRo and gradient-sinks papers.
 
-Formulas: shared notes (methods.md) restating OutRo Sec. 3 / App. A and the gradient-sinks paper Sec. 3.
+Formulas: the book's methods page (book/methods.md), after OutRo Sec. 3 / App. A and the gradient-sinks
+paper Sec. 3.
 """
 from __future__ import annotations
 
@@ -184,28 +185,7 @@ def attention_to_key(pattern: torch.Tensor, attention_mask: torch.Tensor | None 
     return (column * after[:, None]).sum(-1) / after.sum(-1, keepdim=True).clamp_min(1)
 
 
-# ---- Zero-K ---------------------------------------------------------------------------------------------
-
-def zero_k_edits(layers, position: torch.Tensor, top: int = 1) -> dict:
-    """``intervene`` edits that zero, at each layer and KV head, the ``top`` largest-|k| dims of the key of
-    token ``position`` (B,) (OutRo's Zero-K). Other tokens' keys are untouched."""
-    def zero(k, layer):
-        k = k.clone()
-        rows = torch.arange(k.shape[0], device=k.device)
-        sink_key = k[rows, :, position.to(k.device)]                                # (B, Hkv, d)
-        dims = sink_key.abs().topk(top, dim=-1).indices
-        sink_key = sink_key.scatter(-1, dims, 0.0)
-        k[rows, :, position.to(k.device)] = sink_key
-        return k
-    return {("k", layer): zero for layer in layers}
-
-
 # ---- per-layer census on a model ----------------------------------------------------------------------------
-
-def _layer_count(model) -> int:
-    cfg = getattr(model.config, "text_config", None) or model.config
-    return cfg.num_hidden_layers
-
 
 def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0, 25.0, 30.0), eps: float = 0.3,
                 t_eps: int = 64, sink_dims=None) -> dict:
@@ -217,8 +197,8 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
     """
     import pandas as pd
 
-    from .hooks import capture
-    from .models import encode
+    from ..core.hooks import capture
+    from ..core.models import encode
     model = loaded.model
     batch = encode(loaded.tokenizer, prompts, chat=chat, device=loaded.device)
     mask = batch["attention_mask"]
@@ -232,10 +212,13 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
                              "attn_to_first": attention_to_key(pattern, mask).mean().item()}
         return None
 
-    with torch.no_grad(), capture(model, points=("resid_pre", "pattern"), reducers={"pattern": reduce_pattern}) as cap:
+    # The outlier-dimension magnitude 6.0 comes from LLM.int8, where it applies to the inputs of linear layers
+    # (the raw residual stream of these models exceeds 6 almost everywhere): it is tested on ``attn_in``.
+    with torch.no_grad(), capture(model, points=("resid_pre", "attn_in", "pattern"),
+                                  reducers={"pattern": reduce_pattern}) as cap:
         model(**batch, use_cache=False)
     inputs = {layer: cap["resid_pre", layer].float().cpu() for layer in cap.layers}
-    attention_inputs = _normed_attention_inputs(model, inputs)
+    attention_inputs = {layer: cap["attn_in", layer].float().cpu() for layer in cap.layers}
     mask = mask.cpu()
     massive = set()
     for hidden in inputs.values():
@@ -269,52 +252,3 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
     return {"layers": pd.DataFrame(rows), "sink_dims": dims, "sink_dims_are_massive": bool(massive),
             "outlier_dims": outlier_dimensions(exceeding, len(inputs)), "n_tokens": int(mask.sum()),
             "n_prompts": len(prompts)}
-
-
-def _normed_attention_inputs(model, inputs: dict) -> dict:
-    """The input of q/k/v projections (the layer input after its pre-attention norm), per layer.
-
-    The outlier-dimension magnitude 6.0 comes from LLM.int8, where it applies to the inputs of linear
-    layers; the raw residual stream of these models is far larger than 6 in almost every dim. Post-norm
-    families (no pre-attention norm) use the raw layer input.
-    """
-    from .arch import arch_for, get_module
-    arch = arch_for(model)
-    if arch.input_norm is None:
-        return inputs
-    decoder = list(get_module(model, arch.layers))
-    out = {}
-    with torch.no_grad():
-        for layer, hidden in inputs.items():
-            norm = get_module(decoder[layer], arch.input_norm)
-            param = next(norm.parameters(), None)
-            out[layer] = norm(hidden.to(param.device if param is not None else hidden.device,
-                                        param.dtype if param is not None else hidden.dtype)).float().cpu()
-    return out
-
-
-def zero_k_effect(loaded, prompts: list[str], chat: bool | None = None, top: int = 1):
-    """OutRo's Zero-K on the first token: mean attention to it per layer with and without zeroing the top-1
-    dim of its key at every layer. Returns a DataFrame (layer, before, after)."""
-    import pandas as pd
-
-    from .hooks import capture, intervene
-    from .models import encode
-    model = loaded.model
-    batch = encode(loaded.tokenizer, prompts, chat=chat, device=loaded.device)
-    mask = batch["attention_mask"]
-    first = first_real_position(mask, mask.shape[0], mask.device)
-    layers = list(range(_layer_count(model)))
-
-    def run(edits):
-        out = {}
-
-        def reduce_pattern(pattern, layer):
-            out[layer] = attention_to_key(pattern, mask, first).mean().item()
-        with torch.no_grad(), intervene(model, edits), capture(model, points=("pattern",),
-                                                               reducers={"pattern": reduce_pattern}):
-            model(**batch, use_cache=False)
-        return out
-
-    before, after = run({}), run(zero_k_edits(layers, first, top))
-    return pd.DataFrame({"layer": layers, "before": [before[x] for x in layers], "after": [after[x] for x in layers]})

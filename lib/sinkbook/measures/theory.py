@@ -702,7 +702,7 @@ def check(check_id: str, source: str, claim: str, quantity: str, measured, expec
 
 
 def claims_from_checks(rows: list[dict]):
-    from sinkbook.results import Claim
+    from ..core.claims import Claim
     return [Claim(id=r["id"], source=r["source"], statement=f'{r["claim"]} ({r["quantity"]})',
                   paper_value=r["expected"], our_value=r["measured"], rule=r["rule"], holds=r["holds"])
             for r in rows]

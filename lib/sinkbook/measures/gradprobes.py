@@ -1,24 +1,25 @@
-"""Forward and backward probes of the gradient-sinks paper (Secs. 2-3, App. C; formulas in
-shared/notes/methods.md), for any decoder whose layers expose ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
-``post_attention_layernorm`` and ``mlp`` (Llama; Gemma3 too, whose extra norms sit inside those branches).
+"""Forward and backward probes of the gradient-sinks paper (Secs. 2-3, App. C; formulas on the book's methods
+page), for every family of the architecture table.
 
-One batch is run forward with eager attention (so the attention probabilities are returned), the loss is
-back-propagated, and gradients are read from tensors marked with ``retain_grad`` by forward hooks. Parameters
-are frozen during the probe (the embedding output is made the leaf that requires grad), so no parameter
-gradient is stored and the model is left as it was.
+One batch is run forward, the loss (next-token cross-entropy) is back-propagated, and the gradients with
+respect to activations are read from ``capture(..., grads=...)``. Parameters are frozen during the probe and
+the input embeddings are the leaf that requires grad, so no parameter gradient is stored and the model is
+left as it was. The model runs with its own attention kernel; attention probabilities come from the hook
+library's ``pattern`` point, reduced inside the hook.
 
-Notation (per layer l): h^l the layer input (residual stream), h~ = input_layernorm(h^l), h^{l+1/2} the
-residual after the attention branch, r_attn / r_mlp the branch outputs, h~mlp = post_attention_layernorm(h^{l+1/2}).
+Notation (per layer l): h^l the layer input (``resid_pre``), h~ the input of the q/k/v projections
+(``attn_in``), h^{l+1/2} the residual after the attention branch (``resid_mid``), r_attn / r_mlp the branch
+outputs (``attn_out`` / ``mlp_out``), h~mlp the MLP input (``mlp_in``). Query, key and value gradients are
+taken at the projections' outputs (``q_proj``, ``k_proj``, ``v_proj``), before QK-norm and RoPE.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
 import torch
 
-from .vscale import value_projection
+from ..core.hooks import capture, frozen
 
 SINK_EPS, SINK_T_EPS, RGS_T_E = 0.3, 64, 31
 
@@ -74,41 +75,8 @@ def middle_layers(n_layers: int) -> slice:
     return slice(k, n_layers - k)
 
 
-@contextlib.contextmanager
-def _eager_attention(model):
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@contextlib.contextmanager
-def _frozen(model):
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in flags:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-
-
 def _token_norms(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().norm(dim=-1).cpu().numpy()
-
-
-def _pre_mlp_norm(layer):
-    # Gemma3 normalises the attention output with post_attention_layernorm *before* the residual add and
-    # has a separate pre_feedforward_layernorm; in Llama post_attention_layernorm is the pre-MLP norm.
-    return getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-
-
-def _mlp_branch_end(layer):
-    """The module whose output is added to the residual stream by the MLP branch."""
-    return getattr(layer, "post_feedforward_layernorm", None) or layer.mlp
 
 
 def text_windows(tokenizer, text: str, batch_size: int, context: int, bos: bool = True) -> torch.Tensor:
@@ -124,95 +92,62 @@ def text_windows(tokenizer, text: str, batch_size: int, context: int, bos: bool 
     return torch.tensor(rows, dtype=torch.long)
 
 
+_GRAD_POINTS = ("resid_pre", "attn_in", "q_proj", "k_proj", "v_proj", "resid_mid", "mlp_in", "mlp_out", "resid_post")
+
+
 def probe_batch(model, input_ids: torch.Tensor, sink_eps: float = SINK_EPS, sink_t_eps: int = SINK_T_EPS) -> ProbeResult:
     """Run every probe on one batch ``input_ids`` (B, T) with loss = next-token cross-entropy on the batch."""
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
-    decoder = model.model
-    layers = list(decoder.layers)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    grabbed: dict[tuple[str, int], torch.Tensor] = {}
-    handles = []
-
-    def keep(name, i, tensor):
-        tensor.retain_grad()
-        grabbed[(name, i)] = tensor
-
-    def out_hook(name, i):
-        def hook(module, args, output):
-            keep(name, i, output[0] if isinstance(output, tuple) else output)
-        return hook
-
-    def in_hook(name, i):
-        def hook(module, args):
-            keep(name, i, args[0])
-        return hook
-
-    def leaf_embeddings(module, args, output):
-        return output.detach().requires_grad_(True)
-
-    try:
-        handles.append(decoder.embed_tokens.register_forward_hook(leaf_embeddings))
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            handles += [
-                layer.input_layernorm.register_forward_pre_hook(in_hook("h", i)),
-                layer.input_layernorm.register_forward_hook(out_hook("h_tilde", i)),
-                attn.q_proj.register_forward_hook(out_hook("q", i)),
-                attn.k_proj.register_forward_hook(out_hook("k", i)),
-                value_projection(attn).register_forward_hook(out_hook("v", i)),
-                _pre_mlp_norm(layer).register_forward_pre_hook(in_hook("h_half", i)),
-                _pre_mlp_norm(layer).register_forward_hook(out_hook("h_tilde_mlp", i)),
-                _mlp_branch_end(layer).register_forward_hook(out_hook("r_mlp", i)),
-            ]
-        handles.append(decoder.norm.register_forward_pre_hook(in_hook("h", len(layers))))
-        with _eager_attention(model), _frozen(model):
-            out = model(input_ids=input_ids, labels=input_ids, output_attentions=True, use_cache=False)
-            out.loss.backward()
-            attentions = [a.detach().float() for a in out.attentions]
-    finally:
-        for h in handles:
-            h.remove()
-
-    def grad(name, i):
-        g = grabbed[(name, i)].grad
-        if g is None:  # e.g. a module the loss does not reach; report zeros rather than crash
-            return torch.zeros_like(grabbed[(name, i)])
-        return g.float()
-
-    L = len(layers)
-    d_head = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
     t_eps = min(sink_t_eps, input_ids.shape[1])
+    alphas = {}
+
+    def first_token_share(pattern, layer):                 # (B, H, T, S) -> (B, H), reduced in the hook
+        alphas[layer] = pattern[:, :, :t_eps, 0].float().mean(-1)
+
+    with frozen(model), capture(model, points=("pattern",), grads=_GRAD_POINTS,
+                                reducers={"pattern": first_token_share}) as cap:
+        embeddings = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
+        out = model(inputs_embeds=embeddings, labels=input_ids, use_cache=False)
+        out.loss.backward()
+    L = len(cap.layers)
+
+    def grad(point, i):
+        return cap.grad(point, i).float()
+
+    def batch_summed_norms(point, i):                       # token-wise norm of the batch-summed gradient
+        return _token_norms(grad(point, i).sum(0).flatten(-2) if grad(point, i).ndim == 4 else grad(point, i).sum(0))
+
     res = {k: [] for k in ("gh", "gq", "gk", "gv", "res", "mlp", "vn", "alpha", "sink", "xin", "xhalf")}
     attn_r = {"bloat": [], "change": [], "compress": []}
     mlp_r = {"bloat": [], "change": [], "compress": []}
+    # The last position has no target, so every gradient there is 0: it is left out of the ratios.
+    n = lambda t: _token_norms(t[:, :-1])
     for i in range(L):
-        g_in, g_half, g_out = grad("h", i), grad("h_half", i), grad("h", i + 1)
-        g_tilde, g_tilde_mlp = grad("h_tilde", i), grad("h_tilde_mlp", i)
+        g_in, g_half = grad("resid_pre", i), grad("resid_mid", i)
+        g_out = grad("resid_post", i)
+        g_tilde, g_tilde_mlp = grad("attn_in", i), grad("mlp_in", i)
         res["gh"].append(_token_norms(g_tilde.sum(0)))
-        res["gq"].append(_token_norms(grad("q", i).sum(0)))
-        res["gk"].append(_token_norms(grad("k", i).sum(0)))
-        res["gv"].append(_token_norms(grad("v", i).sum(0)))
-        res["res"].append(_token_norms(grabbed[("h", i)]).mean(0))
-        res["mlp"].append(_token_norms(grabbed[("r_mlp", i)]).mean(0))
-        v = grabbed[("v", i)].detach().float()
-        res["vn"].append(v.view(*v.shape[:-1], v.shape[-1] // d_head, d_head).norm(dim=-1).mean(0).T.cpu().numpy())
-        a = attentions[i]                                    # (B, H, T, T)
-        alpha = a[:, :, :t_eps, 0].mean(-1)                  # (B, H)
+        res["gq"].append(batch_summed_norms("q_proj", i))
+        res["gk"].append(batch_summed_norms("k_proj", i))
+        res["gv"].append(batch_summed_norms("v_proj", i))
+        res["res"].append(_token_norms(cap["resid_pre", i]).mean(0))
+        res["mlp"].append(_token_norms(cap["mlp_out", i]).mean(0))
+        res["vn"].append(cap["v_proj", i].detach().float().norm(dim=-1).mean(0).T.cpu().numpy())
+        alpha = alphas[i]
         res["alpha"].append(alpha.mean(0).cpu().numpy())
         res["sink"].append(float((alpha > sink_eps).float().mean(1).mean(0)))
         # grad wrt r_attn equals grad wrt h^{l+1/2}; grad wrt r_mlp equals grad wrt h^{l+1}
-        # The last position has no target, so every gradient there is 0: it is left out of the ratios.
-        n = lambda t: _token_norms(t[:, :-1])
         attn_r["bloat"].append(n(g_tilde) / n(g_half))
         attn_r["change"].append(n(g_in) / n(g_half))
         attn_r["compress"].append(n(g_in - g_half) / n(g_tilde))
         mlp_r["bloat"].append(n(g_tilde_mlp) / n(g_out))
         mlp_r["change"].append(n(g_half) / n(g_out))
         mlp_r["compress"].append(n(g_half - g_out) / n(g_tilde_mlp))
-        res["xin"].append(n(grabbed[("h", i)]))
-        res["xhalf"].append(n(grabbed[("h_half", i)]))
+        res["xin"].append(n(cap["resid_pre", i]))
+        res["xhalf"].append(n(cap["resid_mid", i]))
     return ProbeResult(
         loss=float(out.loss.detach()), grad_h_tilde=np.stack(res["gh"]), grad_q=np.stack(res["gq"]),
         grad_k=np.stack(res["gk"]), grad_v=np.stack(res["gv"]), residual_norm=np.stack(res["res"]),

@@ -1,8 +1,10 @@
 """One declarative table per architecture family: where things live inside a decoder layer.
 
-Paths are dotted, relative to one decoder layer (``model.model.layers[i]``). ``resid_mid_input`` names
-the module whose *input* is the residual stream right after attention has been added (it differs
-between pre-norm Llama, Gemma3's sandwich norms and Olmo2's post-norm layers).
+Paths are dotted, relative to one decoder layer (``model.model.layers[i]``), except ``layers``, which is
+relative to the ``*ForCausalLM``. Three entries name the modules that mark the residual stream, because
+pre-norm Llama, Gemma 3's sandwich norms and Olmo2's post-norm layers place their norms differently:
+``resid_mid_input`` is the module whose *input* is the residual stream right after attention has been
+added; ``attn_out`` / ``mlp_out`` are the modules whose *output* each branch adds to the residual stream.
 """
 from __future__ import annotations
 
@@ -24,25 +26,29 @@ class ArchSpec:
     input_norm: str | None      # norm applied to the layer input before attention (None: post-norm family)
     resid_mid_input: str        # module whose input is the post-attention residual stream
     mlp: str
+    attn_out: str               # module whose output the attention branch adds to the residual stream
+    mlp_out: str                # module whose output the MLP branch adds to the residual stream
 
 
 _LLAMA_LIKE = dict(layers="model.layers", attn="self_attn", q_proj="self_attn.q_proj",
                    k_proj="self_attn.k_proj", v_proj="self_attn.v_proj", o_proj="self_attn.o_proj", mlp="mlp")
+_PRE_NORM = dict(attn_out="self_attn.o_proj", mlp_out="mlp")
+_SANDWICH = dict(attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm")
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec("llama", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
+                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm", **_PRE_NORM),
     "mistral": ArchSpec("mistral", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                        input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
+                        input_norm="input_layernorm", resid_mid_input="post_attention_layernorm", **_PRE_NORM),
     "qwen2": ArchSpec("qwen2", **_LLAMA_LIKE, q_norm=None, k_norm=None, qk_norm="none",
-                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
+                      input_norm="input_layernorm", resid_mid_input="post_attention_layernorm", **_PRE_NORM),
     "qwen3": ArchSpec("qwen3", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
-                      qk_norm="per-head", input_norm="input_layernorm", resid_mid_input="post_attention_layernorm"),
+                      qk_norm="per-head", input_norm="input_layernorm", resid_mid_input="post_attention_layernorm", **_PRE_NORM),
     "gemma3_text": ArchSpec("gemma3_text", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                             qk_norm="per-head", input_norm="input_layernorm",
-                            resid_mid_input="pre_feedforward_layernorm"),
+                            resid_mid_input="pre_feedforward_layernorm", **_SANDWICH),
     "olmo2": ArchSpec("olmo2", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
-                      qk_norm="layerwise", input_norm=None, resid_mid_input="mlp"),
+                      qk_norm="layerwise", input_norm=None, resid_mid_input="mlp", **_SANDWICH),
 }
 _ALIASES = {"gemma3": "gemma3_text"}
 
@@ -52,8 +58,7 @@ class UnsupportedArchitecture(ValueError):
 
 
 def arch_for(model_or_config) -> ArchSpec:
-    config = getattr(model_or_config, "config", model_or_config)
-    config = getattr(config, "text_config", None) or config
+    config = text_config(model_or_config)
     model_type = _ALIASES.get(config.model_type, config.model_type)
     if model_type not in ARCHITECTURES:
         raise UnsupportedArchitecture(
@@ -70,3 +75,18 @@ def get_module(root, dotted: str):
 
 def decoder_layers(model) -> list:
     return list(get_module(model, arch_for(model).layers))
+
+
+def text_config(model_or_config):
+    """The language model's config (the ``text_config`` of a multimodal config)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "text_config", None) or config
+
+
+def n_layers(model) -> int:
+    return text_config(model).num_hidden_layers
+
+
+def head_dim(model) -> int:
+    cfg = text_config(model)
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -1,0 +1,155 @@
+"""The ``sinkbook`` command: ``info``, ``capture`` and ``strength`` (and the adaptation commands when present).
+
+Every user error (unknown model, missing file, bad parameter, unsupported architecture) ends in one line
+``sinkbook: error: ...`` that says what to do, and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from ..core.arch import UnsupportedArchitecture, n_layers
+from ..core.models import ModelNotAvailable
+from ..core.profiles import SettingsError
+
+USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
+
+
+def cmd_info(args) -> int:
+    from ..core.models import architecture_info, load_model
+    info = architecture_info(load_model(args.model, device=args.device))
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def cmd_capture(args) -> int:
+    import numpy as np
+    import torch
+
+    from ..core.hooks import capture
+    from ..core.models import encode, load_model
+    if not args.out.endswith(".npz"):
+        raise ValueError(f"--out must name a .npz file, got {args.out!r}")
+    loaded = load_model(args.model, device=args.device)
+    batch = encode(loaded.tokenizer, args.prompt, chat=args.chat, device=loaded.device)
+    start = time.perf_counter()
+    with torch.no_grad(), capture(loaded.model, points=("pattern",), layers=[args.layer], stop_early=True) as cap:
+        loaded.model(**batch)
+    layer = cap.layers[0]
+    pattern = cap["pattern", layer][0].cpu().numpy()            # (heads, T, T)
+    tokens = loaded.tokenizer.convert_ids_to_tokens(batch["input_ids"][0].tolist())
+    np.savez_compressed(args.out, attention=pattern, tokens=np.array(tokens), layer=layer,
+                        model=args.model, prompt=args.prompt, chat=bool(args.chat))
+    print(f"wrote {args.out}: layer {layer}, attention {pattern.shape} (heads, query, key), "
+          f"{len(tokens)} tokens, {time.perf_counter() - start:.2f} s")
+    return 0
+
+
+def cmd_strength(args) -> int:
+    from ..core.models import load_model
+    from ..core.prompts import load_prompts_file, prompt_texts
+    from ..measures.strength import STRONG_SINK_G, sink_strength
+    prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
+    if args.n is not None:
+        if args.n < 1:
+            raise ValueError(f"--n must be at least 1, got {args.n}")
+        prompts = prompts[:args.n]
+    if args.window < 1:
+        raise ValueError(f"--window must be at least 1, got {args.window}")
+    start = time.perf_counter()
+    loaded = load_model(args.model, device=args.device)
+    window = min(args.window, n_layers(loaded.model))
+    result = sink_strength(loaded, prompts, chat=args.chat, window=window)
+    out = result.summary(window)
+    out["load_seconds"] = round(loaded.load_seconds, 3)
+    out["total_seconds"] = round(time.perf_counter() - start, 3)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    q = out["quantiles"]
+    note = f" (the model has only {window} layers)" if window < args.window else ""
+    print(f"model            {args.model}")
+    print(f"prompts          {out['n_prompts']} ({'chat template' if out['chat'] else 'raw text'})")
+    print(f"window           last {window} layers{note}, {out['n_gaps']} (layer, head, query) gaps")
+    print(f"Sink Strength S  {out['S']:.3f}   (mean G {out['mean_G']:.3f})")
+    print("G quantiles      " + "  ".join(f"{k} {v:.2f}" for k, v in q.items()))
+    print(f"strong sinks     {100 * out['strong_fraction']:.1f}% of gaps have G > {STRONG_SINK_G:g}")
+    print(f"time             {out['seconds']:.2f} s for S, {out['load_seconds']:.2f} s loading, "
+          f"{out['total_seconds']:.2f} s in all")
+    if not math.isfinite(out["S"]):
+        raise ValueError("S is not finite; the prompts may be too short")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..measures.strength import DEFAULT_WINDOW
+    parser = argparse.ArgumentParser(prog="sinkbook", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="architecture facts of a model")
+    info.add_argument("model", help=MODEL_HELP)
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument("--device", default="auto")
+    info.set_defaults(func=cmd_info)
+
+    cap = sub.add_parser("capture", help="write one layer's per-head attention probabilities to .npz")
+    cap.add_argument("model", help=MODEL_HELP)
+    cap.add_argument("--layer", type=int, required=True, help="layer index (negative counts from the end)")
+    cap.add_argument("--prompt", required=True)
+    cap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=False,
+                     help="wrap the prompt in the tokenizer's chat template")
+    cap.add_argument("--out", required=True, help="output .npz (arrays: attention, tokens)")
+    cap.add_argument("--device", default="auto")
+    cap.set_defaults(func=cmd_capture)
+
+    cmd = sub.add_parser("strength", help="Sink Strength S of a model (pre-adaptation screen, VL paper Sec. 3.2)",
+                         description="Median attention-logit gap G of the per-head favourite key over the last K layers.")
+    cmd.add_argument("model", help=MODEL_HELP)
+    cmd.add_argument("--prompts-file", help="plain-text file, one prompt per line (default: the 15 calibration prompts)")
+    cmd.add_argument("--n", type=int, default=None, help="use only the first N prompts")
+    cmd.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"last K layers (default {DEFAULT_WINDOW})")
+    cmd.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap prompts in the chat template (default: when the tokenizer has one)")
+    cmd.add_argument("--json", action="store_true", help="print JSON")
+    cmd.add_argument("--device", default="auto")
+    cmd.set_defaults(func=cmd_strength)
+
+    for register in _more_commands():
+        register(sub)
+    return parser
+
+
+def _more_commands():
+    """Commands whose code lives in other modules of this layer (``register_cli(subparsers)``)."""
+    import importlib
+    out = []
+    for name in ("adapt_cli",):
+        try:
+            module = importlib.import_module(f"sinkbook.book.{name}")
+        except ModuleNotFoundError:
+            continue
+        out.append(module.register_cli)
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

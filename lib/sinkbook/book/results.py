@@ -1,0 +1,207 @@
+"""The results file each chapter writes, and the claims summary the book assembles from them.
+
+Schema of ``results/<chapter>.json``::
+
+    {"chapter": str, "parameters": {...}, "models": [{"spec", "id", "files": {name: sha256}}],
+     "packages": {name: version}, "git_commit": str, "created": iso-time,
+     "claims": [Claim, ...], "extra": {...}}
+
+Claims follow ``sinkbook.core.claims.Claim``; the summary counts them per chapter *and per kind*, so
+measurements on models, recomputations of published tables and checks of mathematics are never added up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable
+
+from ..core.claims import KINDS, NOT_COMPARABLE, Claim, MustHoldFailed, failed_must_hold
+from ..core.paths import REPO_ROOT, results_dir
+
+_PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
+             "lm-eval", "sinkbook")
+OUTCOMES = ("holds", "does not hold", NOT_COMPARABLE)
+
+
+def package_versions(names: Iterable[str] = _PACKAGES) -> dict[str, str]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return _jsonable(x.item())
+    if hasattr(x, "tolist"):
+        return _jsonable(x.tolist())
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_results(chapter: str, parameters: dict, claims: list[Claim], models: list[dict] | None = None,
+                  extra: dict | None = None, directory: str | Path | None = None) -> Path:
+    """Write ``results/<chapter>.json``, then raise ``MustHoldFailed`` if a must-hold check failed.
+
+    The file is written first, so a failing check never loses what the chapter computed."""
+    out_dir = Path(directory) if directory else results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = [c.id for c in claims]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise ValueError(f"duplicate claim ids in chapter {chapter!r}: {dupes}")
+    doc = {
+        "chapter": chapter,
+        "parameters": parameters,
+        "models": models or [],
+        "packages": package_versions(),
+        "git_commit": git_commit(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "claims": [c.as_dict() for c in claims],
+    }
+    if extra:
+        doc["extra"] = extra
+    path = out_dir / f"{chapter}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable(doc), indent=1))
+    tmp.replace(path)  # atomic, so a crash never leaves a half-written results file
+    failed = failed_must_hold(claims)
+    if failed:
+        raise MustHoldFailed(f"{chapter}: {len(failed)} check(s) that must hold failed (the code is wrong): "
+                             + "; ".join(c.verdict() for c in failed))
+    return path
+
+
+def load_all_results(directory: str | Path | None = None) -> list[dict]:
+    out_dir = Path(directory) if directory else results_dir()
+    return [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
+
+
+def outcome(c: dict) -> str:
+    return {True: "holds", False: "does not hold"}.get(c["holds"], NOT_COMPARABLE)
+
+
+def tally(results: list[dict]) -> list[dict]:
+    """One row per (chapter, kind) with the number of claims of each outcome; must-hold checks apart."""
+    rows = []
+    for doc in results:
+        for kind in KINDS:
+            claims = [c for c in doc["claims"] if c.get("kind") == kind and not c.get("must_hold")]
+            checks = [c for c in doc["claims"] if c.get("kind") == kind and c.get("must_hold")]
+            if not claims and not checks:
+                continue
+            row = {"chapter": doc["chapter"], "kind": kind, **{o: sum(outcome(c) == o for c in claims) for o in OUTCOMES},
+                   "checks passed": f"{sum(c['holds'] is True for c in checks)}/{len(checks)}"}
+            rows.append(row)
+    return rows
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def _cell(x) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def headline(results: list[dict]) -> str:
+    """The headline sentence: measured claims on models first, then recomputations and mathematics apart."""
+    by_kind = {kind: [c for doc in results for c in doc["claims"] if c.get("kind") == kind and not c.get("must_hold")]
+               for kind in KINDS}
+
+    def counts(claims):
+        return ", ".join(f"{sum(outcome(c) == o for c in claims)} {o}" for o in OUTCOMES)
+    checks = [c for doc in results for c in doc["claims"] if c.get("must_hold")]
+    return (f"**Measured on models run here:** {len(by_kind['measured'])} claims ({counts(by_kind['measured'])}). "
+            f"Separately, **recomputed from the papers' published tables:** {len(by_kind['recomputed'])} claims "
+            f"({counts(by_kind['recomputed'])}); **mathematics checked numerically:** {len(by_kind['math'])} claims "
+            f"({counts(by_kind['math'])}). Internal checks that must hold for the code to be right: "
+            f"{sum(c['holds'] is True for c in checks)} of {len(checks)} pass.")
+
+
+def claims_markdown(results: list[dict], order: list[str] | None = None, figure: str | None = None) -> str:
+    """The claims of every chapter as markdown: headline, summary by chapter and kind, then one table per chapter."""
+    if not results:
+        return "*No results files yet: build the book to compute them.*\n"
+    rank = {name: i for i, name in enumerate(order or [])}
+    results = sorted(results, key=lambda doc: (rank.get(doc["chapter"], len(rank)), doc["chapter"]))
+    out = [headline(results), ""]
+    if figure:
+        out += [f"![Verdicts by chapter and kind of claim]({figure})", ""]
+    out += ["| chapter | kind | holds | does not hold | not comparable | must-hold checks passed |",
+            "|---|---|---|---|---|---|"]
+    for row in tally(results):
+        out.append("| " + " | ".join(_cell(row[k]) for k in ("chapter", "kind", *OUTCOMES, "checks passed")) + " |")
+    for doc in results:
+        models = ", ".join(m.get("spec", "?") for m in doc.get("models", [])) or "none (synthetic or published data)"
+        profile = doc.get("parameters", {}).get("profile", "?")
+        out += ["", f"### {doc['chapter']}", "", f"Profile `{profile}`; models: {models}.", "",
+                "| claim | kind | source | paper | ours | rule | verdict |", "|---|---|---|---|---|---|---|"]
+        for c in doc["claims"]:
+            mark = {True: "holds", False: "**does not hold**"}.get(c["holds"], "not comparable")
+            if c.get("must_hold"):
+                mark += " (must hold)"
+            source = c["source"] + (" (our question)" if c.get("origin") == "ours" and not c.get("must_hold") else "")
+            cells = [c["statement"], c.get("kind", "?"), source, _fmt(c["paper_value"]), _fmt(c["our_value"]),
+                     c["rule"] + (f"; {c['why_not_comparable']}" if c.get("why_not_comparable") else ""), mark]
+            out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def summary_figure(results: list[dict], path: str | Path, order: list[str] | None = None) -> Path:
+    """A one-glance figure: for each chapter, stacked bars of verdicts per kind of claim (must-hold apart)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rank = {name: i for i, name in enumerate(order or [])}
+    chapters = sorted({doc["chapter"] for doc in results}, key=lambda c: (rank.get(c, len(rank)), c))
+    rows = tally(results)
+    colours = {"holds": "#2e7d32", "does not hold": "#c62828", NOT_COMPARABLE: "#9e9e9e"}
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(10, 0.45 * max(3, len(chapters)) + 1.2), sharey=True)
+    for ax, kind in zip(axes, KINDS):
+        left = [0] * len(chapters)
+        for o in OUTCOMES:
+            values = [next((r[o] for r in rows if r["chapter"] == c and r["kind"] == kind), 0) for c in chapters]
+            ax.barh(range(len(chapters)), values, left=left, color=colours[o], label=o)
+            left = [a + b for a, b in zip(left, values)]
+        ax.set_title(kind)
+        ax.set_xlabel("claims")
+        ax.set_yticks(range(len(chapters)), [c.replace("_", " ") for c in chapters])
+        ax.invert_yaxis()
+    axes[0].legend(loc="lower right", fontsize=8, frameon=False)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=path.suffix.lstrip(".") or "svg")
+    plt.close(fig)
+    return path

@@ -1,0 +1,196 @@
+"""The one claim model of the book, and the findings that chapters return.
+
+A **claim** compares something a paper states with what we computed. Its ``kind`` says what kind of evidence
+it is, so the book never adds up unlike things:
+
+- ``measured``: measured here, on a model we ran (a real model, or one we trained);
+- ``recomputed``: recomputed from the paper's own published tables;
+- ``math``: a numerical check of a derivation on synthetic instances.
+
+``holds`` is True, False or "not comparable". A claim is not comparable when its precondition is missing
+(no sink in the baseline it is about, a task at its floor): it is then neither counted as holding nor as
+failing. ``must_hold`` marks checks whose failure means our code is wrong (an exact identity, a bound that
+is a theorem); the results writer raises ``MustHoldFailed`` when one fails. ``origin`` is "paper" for a claim
+the paper makes and "ours" for a question or a constant that is ours (the book says so).
+
+A **rule** is written once and used for both the verdict and its wording: ``Rule.at_most(0.05, "share")``
+gives the text "share <= 0.05" and the test, so a printed verdict cannot disagree with ``holds``.
+
+A **finding** is what a chapter's analysis function returns: its table, figures, claims and any further
+measured sentences (notes). Its verdict lines are derived from its claims.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+NOT_COMPARABLE = "not comparable"
+KINDS = ("measured", "recomputed", "math")
+ORIGINS = ("paper", "ours")
+_ID = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class MustHoldFailed(AssertionError):
+    """A check that must hold whatever the papers say failed: the code computing it is wrong."""
+
+
+def slug(text: str) -> str:
+    """A snake_case id fragment from a model spec or label: 'smollm2-135m-instruct' -> 'smollm2_135m_instruct'."""
+    out = re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_")
+    return out if out and out[0].isalpha() else f"x{out}"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A verdict rule: its wording and its test, defined together."""
+    text: str
+    test: Callable[[Any], bool]
+
+    def __call__(self, value) -> bool:
+        return bool(self.test(value))
+
+    @classmethod
+    def at_most(cls, limit: float, what: str = "ours") -> "Rule":
+        return cls(f"{what} <= {_fmt(limit)}", lambda v: v <= limit)
+
+    @classmethod
+    def at_least(cls, limit: float, what: str = "ours") -> "Rule":
+        return cls(f"{what} >= {_fmt(limit)}", lambda v: v >= limit)
+
+    @classmethod
+    def above(cls, limit: float, what: str = "ours") -> "Rule":
+        return cls(f"{what} > {_fmt(limit)}", lambda v: v > limit)
+
+    @classmethod
+    def below(cls, limit: float, what: str = "ours") -> "Rule":
+        return cls(f"{what} < {_fmt(limit)}", lambda v: v < limit)
+
+    @classmethod
+    def between(cls, low: float, high: float, what: str = "ours") -> "Rule":
+        return cls(f"{_fmt(low)} <= {what} <= {_fmt(high)}", lambda v: low <= v <= high)
+
+    @classmethod
+    def close_to(cls, target: float, tolerance: float, what: str = "ours", why: str = "") -> "Rule":
+        text = f"|{what} - {_fmt(target)}| <= {_fmt(tolerance)}" + (f" ({why})" if why else "")
+        return cls(text, lambda v: abs(v - target) <= tolerance + 1e-12)
+
+    @classmethod
+    def true(cls, text: str) -> "Rule":
+        """The value is already the verdict (a bool); ``text`` says what it tests."""
+        return cls(text, lambda v: bool(v))
+
+
+@dataclasses.dataclass
+class Claim:
+    id: str
+    kind: str
+    source: str            # paper and section/table, e.g. "VL paper, Table 5"; "ours" for our own questions
+    statement: str         # what is claimed, in our words
+    paper_value: Any       # number or short text as published
+    our_value: Any         # what we computed
+    rule: str              # the verdict rule, written before looking at the result
+    holds: bool | str      # True / False / "not comparable"
+    must_hold: bool = False
+    origin: str = "paper"
+    why_not_comparable: str = ""
+
+    def __post_init__(self):
+        if not _ID.match(self.id):
+            raise ValueError(f"claim id {self.id!r} must be snake_case (lower-case letters, digits, _)")
+        if self.kind not in KINDS:
+            raise ValueError(f"claim {self.id!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.origin not in ORIGINS:
+            raise ValueError(f"claim {self.id!r}: origin must be one of {', '.join(ORIGINS)}, got {self.origin!r}")
+        if self.holds != NOT_COMPARABLE:
+            if type(self.holds).__name__ not in ("bool", "bool_"):  # numpy comparisons give numpy bools
+                raise ValueError(f"claim {self.id!r}: holds must be True, False or {NOT_COMPARABLE!r}, "
+                                 f"got {self.holds!r}")
+            self.holds = bool(self.holds)
+        if self.must_hold and self.holds == NOT_COMPARABLE:
+            raise ValueError(f"claim {self.id!r}: a must-hold check cannot be 'not comparable'")
+        self.our_value = _plain(self.our_value)
+        self.paper_value = _plain(self.paper_value)
+
+    @property
+    def label(self) -> str:
+        return {True: "holds", False: "does not hold"}.get(self.holds, NOT_COMPARABLE)
+
+    def verdict(self) -> str:
+        """One sentence: the verdict, the statement, ours against the paper's (or why it is not comparable)."""
+        head = f"{self.label.capitalize()}: {self.statement}"
+        numbers = f"ours {_short(self.our_value)}, paper {_short(self.paper_value)} (rule: {self.rule})"
+        if self.holds == NOT_COMPARABLE and self.why_not_comparable:
+            return f"{head} -- {self.why_not_comparable}; {numbers}."
+        return f"{head} -- {numbers}."
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _plain(value):
+    """numpy scalars to Python numbers, so claims serialise and compare cleanly."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()
+    return value
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
+
+
+def claim(id: str, kind: str, source: str, statement: str, paper_value, our_value, rule: Rule, value=None, *,
+          precondition: tuple[bool, str] | None = None, must_hold: bool = False, origin: str = "paper") -> Claim:
+    """Build a claim whose verdict is ``rule(value)`` (``value`` defaults to ``our_value``).
+
+    ``precondition=(ok, why)``: when ``ok`` is false the claim is "not comparable" and ``why`` says what is
+    missing (the rule is still stated, and our value still shown)."""
+    tested = our_value if value is None else value
+    if precondition is not None and not precondition[0]:
+        return Claim(id, kind, source, statement, paper_value, our_value, rule.text, NOT_COMPARABLE,
+                     must_hold=False, origin=origin, why_not_comparable=precondition[1])
+    try:
+        holds = rule(tested)
+    except TypeError:
+        holds = False
+    if isinstance(tested, float) and not math.isfinite(tested):
+        holds = False
+    return Claim(id, kind, source, statement, paper_value, our_value, rule.text, holds, must_hold=must_hold,
+                 origin=origin)
+
+
+def check(id: str, statement: str, measured, rule: Rule, expected="", source: str = "ours") -> Claim:
+    """A must-hold check of our own code (kind "math"): an exact identity, a count that must be zero."""
+    return claim(id, "math", source, statement, expected, measured, rule, must_hold=True, origin="ours")
+
+
+@dataclasses.dataclass
+class Finding:
+    """What one analysis of a chapter returns. ``data`` carries numbers later findings reuse."""
+    title: str
+    claims: list = dataclasses.field(default_factory=list)
+    table: Any = None                 # pandas DataFrame (kept narrow; shown with its index)
+    figures: list = dataclasses.field(default_factory=list)   # plotly or matplotlib figures
+    notes: list = dataclasses.field(default_factory=list)     # measured sentences that are not claims
+    data: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def verdicts(self) -> list[str]:
+        return [c.verdict() for c in self.claims]
+
+    def text(self) -> str:
+        """Plain-text rendering for a terminal: notes then verdicts."""
+        return "\n".join([*self.notes, *self.verdicts])
+
+
+def failed_must_hold(claims) -> list[Claim]:
+    return [c for c in claims if c.must_hold and c.holds is not True]

@@ -1,0 +1,180 @@
+"""One training loop for every model the book trains: from scratch, fine-tuning a loaded model, adaptation.
+
+``fit`` runs ``steps`` optimisation steps under Hugging Face accelerate, so the same code runs on the CPU, one
+GPU or several processes (DDP): the caller builds the model, the optimiser and a ``batch_at(step)`` function;
+``fit`` sets the learning rate of each step, computes the loss, back-propagates, clips, steps, and calls the
+callbacks. It never decides what is trained: freeze parameters before calling it.
+
+Callbacks receive ``(step, model, record)`` after each step (``step`` counts finished steps, from 1); ``record``
+holds step, loss, lr, grad_norm, seconds. ``Every(n, fn)`` calls ``fn`` every n steps and at the last one, and
+stores what ``fn`` returns in ``FitResult.probes``; ``Checkpoint`` saves the weights every n steps. A
+callback may raise ``StopTraining`` to end the run early (the result says so).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+
+class StopTraining(Exception):
+    """Raised by a callback to end training after the current step."""
+
+
+class Diverged(FloatingPointError):
+    """The loss became NaN or infinite."""
+
+
+@dataclasses.dataclass
+class FitResult:
+    history: list[dict]            # one row per step: step, loss, lr, grad_norm, seconds
+    probes: list[dict]             # what Every(...) callbacks returned, with their step
+    seconds: float
+    stopped_early: bool = False
+
+
+class Every:
+    """Call ``fn(step, model)`` every ``n`` finished steps and after the last one; keep what it returns."""
+
+    def __init__(self, n: int, fn: Callable, name: str = "probe", at_start: bool = False):
+        if n < 1:
+            raise ValueError(f"Every: n must be >= 1, got {n}")
+        self.n, self.fn, self.name, self.at_start = n, fn, name, at_start
+        self.rows: list[dict] = []
+
+    def start(self, model) -> None:
+        if self.at_start:
+            self._call(0, model)
+
+    def __call__(self, step: int, model, record: dict, last: bool) -> None:
+        if step % self.n == 0 or last:
+            self._call(step, model)
+
+    def _call(self, step, model):
+        was_training = model.training
+        model.eval()
+        try:
+            out = self.fn(step, model)
+        finally:
+            model.train(was_training)
+        if out is not None:
+            self.rows.append({"step": step, "name": self.name, **(out if isinstance(out, dict) else {"value": out})})
+
+
+class Checkpoint:
+    """Save ``model.state_dict()`` as ``<directory>/step-<n>.pt`` every ``n`` steps (not at the last one:
+    the caller saves the final model with whatever else it keeps)."""
+
+    def __init__(self, n: int, directory: str | Path, extra: dict | None = None):
+        self.n, self.directory, self.extra = n, Path(directory), dict(extra or {})
+
+    def start(self, model) -> None:
+        pass
+
+    def __call__(self, step: int, model, record: dict, last: bool) -> None:
+        if step % self.n == 0 and not last:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f"step-{step}.pt.tmp"
+            torch.save({**self.extra, "step": step, "model": _unwrap(model).state_dict()}, tmp)
+            tmp.replace(self.directory / f"step-{step}.pt")
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def causal_lm_loss(model, batch) -> torch.Tensor:
+    """Next-token cross-entropy of a batch of token ids (B, T), or of a dict the model accepts with labels."""
+    if isinstance(batch, torch.Tensor):
+        return model(input_ids=batch, labels=batch).loss
+    return model(**batch).loss
+
+
+def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: Callable[[int], float],
+        loss_fn: Callable = causal_lm_loss, clip: float | None = 1.0, callbacks: Iterable = (),
+        accelerator=None, progress: bool = True, desc: str = "training") -> FitResult:
+    """Train ``model`` in place for ``steps`` steps; see the module docstring. Returns the history.
+
+    ``batch_at(step)`` gives the batch of step ``step`` (0-based) on any device; it is moved to the model's.
+    ``accelerator``: an ``accelerate.Accelerator``; by default one is made for the model's device. Under
+    several processes ``batch_at`` should return this process's share of the global batch."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if accelerator is None:
+        from accelerate import Accelerator
+        device = next(model.parameters()).device
+        accelerator = Accelerator(cpu=device.type == "cpu")
+    model, optimizer = accelerator.prepare(model, optimizer)
+    callbacks = list(callbacks)
+    # Clip over the model's parameters in the model's order: the norm is a sum, and its rounding depends on order.
+    params = [p for p in model.parameters() if p.requires_grad]
+    history: list[dict] = []
+    stopped = False
+    model.train()
+    for cb in callbacks:
+        cb.start(_unwrap(model))
+    from tqdm.auto import tqdm
+    bar = tqdm(range(steps), desc=desc, disable=not progress or not accelerator.is_local_main_process,
+               mininterval=2.0)
+    start = time.perf_counter()
+    for step in bar:
+        batch = _to(batch_at(step), accelerator.device)
+        lr = lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(loss)
+        grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")
+        optimizer.step()
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise Diverged(f"training diverged at step {step} (loss {value}); lower the learning rate (now {lr:g})")
+        record = {"step": step, "loss": value, "lr": lr, "grad_norm": grad_norm,
+                  "seconds": time.perf_counter() - start}
+        history.append(record)
+        last = step + 1 == steps
+        try:
+            for cb in callbacks:
+                cb(step + 1, _unwrap(model), record, last)
+        except StopTraining:
+            stopped = True
+        if hasattr(bar, "set_postfix") and step % 10 == 0:
+            bar.set_postfix(loss=f"{value:.3f}")
+        if stopped:
+            break
+    model.eval()
+    probes = [row for cb in callbacks for row in getattr(cb, "rows", [])]
+    return FitResult(history, sorted(probes, key=lambda r: r["step"]), time.perf_counter() - start, stopped)
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
+def warmup_cosine(lr: float, steps: int, warmup_steps: int, min_lr_ratio: float = 0.1) -> Callable[[int], float]:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if not 0 <= warmup_steps <= steps:
+        raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
+
+    def at(step: int) -> float:
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return at
+
+
+def decay_groups(model, weight_decay: float):
+    """Weight decay on trainable matrices (2-D) only; norms' gains, biases and V-scale's theta are left undecayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
