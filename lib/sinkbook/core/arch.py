@@ -28,6 +28,7 @@ class ArchSpec:
     mlp: str
     attn_out: str               # module whose output the attention branch adds to the residual stream
     mlp_out: str                # module whose output the MLP branch adds to the residual stream
+    norm_gain_offset: float = 0.0   # an RMSNorm multiplies by (offset + weight): Gemma stores gains minus 1
 
 
 _LLAMA_LIKE = dict(layers="model.layers", attn="self_attn", q_proj="self_attn.q_proj",
@@ -46,7 +47,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                       qk_norm="per-head", input_norm="input_layernorm", resid_mid_input="post_attention_layernorm", **_PRE_NORM),
     "gemma3_text": ArchSpec("gemma3_text", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                             qk_norm="per-head", input_norm="input_layernorm",
-                            resid_mid_input="pre_feedforward_layernorm", **_SANDWICH),
+                            resid_mid_input="pre_feedforward_layernorm", norm_gain_offset=1.0, **_SANDWICH),
     "olmo2": ArchSpec("olmo2", **_LLAMA_LIKE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                       qk_norm="layerwise", input_norm=None, resid_mid_input="mlp", **_SANDWICH),
 }
@@ -75,6 +76,11 @@ def get_module(root, dotted: str):
 
 def decoder_layers(model) -> list:
     return list(get_module(model, arch_for(model).layers))
+
+
+def norm_gain(model, norm_module) -> "torch.Tensor":
+    """The effective per-channel gain gamma of one of the model's RMSNorm modules."""
+    return norm_module.weight.detach().float() + arch_for(model).norm_gain_offset
 
 
 def text_config(model_or_config):

@@ -131,7 +131,9 @@ def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: 
         accelerator.backward(loss)
         grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")
         optimizer.step()
-        value = float(loss.detach())
+        # Under several processes each holds its share's loss, scaled so that the mean over processes is the
+        # global batch's loss: record that mean.
+        value = float(accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss.detach())
         if not math.isfinite(value):
             raise Diverged(f"training diverged at step {step} (loss {value}); lower the learning rate (now {lr:g})")
         record = {"step": step, "loss": value, "lr": lr, "grad_norm": grad_norm,

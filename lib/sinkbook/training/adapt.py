@@ -1,0 +1,202 @@
+"""Vision-language adaptation of a pretrained language model on the digit tasks, in the paper's two stages.
+
+Recipe (the shape of the VL paper's App. F.3 recipe, scaled to a CPU):
+- stage 1 trains the projector only (vision runs): the language model and the encoder are frozen, so the
+  model learns to read the image without its text side moving;
+- stage 2 trains the projector and the language model together; the vision encoder stays frozen (a pretrained
+  tower) and so does the input embedding matrix, which both models tie to their output head. Freezing it is
+  our deviation from the paper's full fine-tune: on a CPU the 49k x 576 (SmolLM2) and 262k x 640 (Gemma 3)
+  embedding updates dominate the cost, and the sink mechanism the chapter tests lives in the attention
+  projections, which are trained;
+- loss on the answer tokens only; AdamW without weight decay, gradient clipping at 1.0, linear warm-up then a
+  constant learning rate in stage 1 and a cosine decay in stage 2; fixed seeds.
+
+The **text-only counterpart** (``modality="text"``) runs stage 2 with the same steps, batch size, learning rate
+and answers, on the same examples with the image replaced by the digit words (``digits.Example.text_stand_in``).
+Its stage 1 would train a projector that nothing reads, so it is skipped.
+
+Runs are cached by configuration under ``$SINKBOOK_CACHE/adapt/<key>/`` (the adapted model as a directory that
+``load_model`` and ``load_vlm`` read, and ``run.json`` with the history and the probes). Training goes through
+``training.loop.fit`` under accelerate: started with ``torchrun --nproc_per_node N``, each process trains on its
+share of every global batch and the result matches one process with the same global batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..core.models import load_model, resolve_device
+from ..core.paths import cache_root
+from .digits import TASKS, load_digit_splits, make_examples
+from .loop import Every, fit, warmup_cosine
+from .vlm import DigitVLM, PromptFormat, build_vlm, encode_examples, load_vlm, save_vlm, train_encoder
+
+RUN_FORMAT = 1
+MODALITIES = ("vision", "text")
+ENCODER_EPOCHS, ENCODER_WIDTH, ENCODER_SEED = 30, 64, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptConfig:
+    model: str                       # a model spec load_model accepts
+    modality: str = "vision"         # "vision", or "text" for the matched text-only counterpart
+    steps: int = 60                  # stage 2 steps
+    lr: float = 1e-4                 # stage 2 peak learning rate
+    stage1_steps: int = 30           # projector-only steps (vision runs)
+    stage1_lr: float = 1e-3
+    batch_size: int = 8
+    warmup_ratio: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    tasks: tuple = TASKS
+    probe_every: int = 20            # stage 2 steps between probes (and one before the first step)
+
+    def __post_init__(self):
+        if self.modality not in MODALITIES:
+            raise ValueError(f"modality must be one of {', '.join(MODALITIES)}, got {self.modality!r}")
+        for name in ("steps", "batch_size", "probe_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.stage1_steps < 0:
+            raise ValueError(f"stage1_steps must be >= 0, got {self.stage1_steps}")
+        if not (self.lr > 0 and self.stage1_lr > 0):
+            raise ValueError(f"learning rates must be > 0, got lr={self.lr}, stage1_lr={self.stage1_lr}")
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+
+    def record(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["tasks"] = list(self.tasks)
+        return out
+
+    def key(self, tag: str = "") -> str:
+        blob = json.dumps({"format": RUN_FORMAT, "tag": tag, **self.record()}, sort_keys=True)
+        name = Path(self.model).name if ("/" in self.model or self.model.endswith(".gguf")) else self.model
+        return f"{name}-{self.modality}-s{self.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass
+class AdaptedRun:
+    config: AdaptConfig
+    vlm: DigitVLM
+    loaded: object                   # LoadedModel of the adapted language model
+    fmt: PromptFormat
+    history: list                    # per step: stage, step, loss, lr, grad_norm, seconds
+    probes: list                     # what the probe returned at each probed stage-2 step (step 0 = before)
+    seconds: float
+    from_cache: bool
+    directory: Path | None
+
+
+def run_dir(cfg: AdaptConfig, tag: str = "") -> Path:
+    return cache_root() / "adapt" / cfg.key(tag)
+
+
+def vision_encoder(device: str = "cpu"):
+    """The frozen digit encoder every run shares (trained once, cached)."""
+    path = cache_root() / "vision" / f"digit-encoder-w{ENCODER_WIDTH}-e{ENCODER_EPOCHS}-s{ENCODER_SEED}.pt"
+    from .vlm import DigitEncoder
+    encoder = DigitEncoder(ENCODER_WIDTH)
+    if path.exists():
+        encoder.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return encoder.eval().requires_grad_(False).to(device)
+    train, _ = load_digit_splits()
+    encoder = train_encoder(train.images, train.labels, ENCODER_SEED, ENCODER_EPOCHS, ENCODER_WIDTH)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(encoder.state_dict(), path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+    return encoder.to(device)
+
+
+def _batch_maker(cfg: AdaptConfig, tokenizer, fmt: PromptFormat, modality: str, stage: int, accelerator):
+    """batch_at(step): this process's share of the global batch of ``stage``'s ``step`` (the same examples on
+    every machine and for every process count), with the global count of answer tokens."""
+    train, _ = load_digit_splits()
+    rank, world = accelerator.process_index, accelerator.num_processes
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes ({world})")
+
+    def batch_at(step: int) -> dict:
+        examples = make_examples(train, cfg.batch_size, seed=cfg.seed * 1_000_003 + stage * 100_003 + step,
+                                 tasks=cfg.tasks)
+        whole = encode_examples(examples, tokenizer, fmt, modality)
+        mine = encode_examples(examples[rank::world], tokenizer, fmt, modality)
+        mine["label_count"] = int((whole["labels"][:, 1:] != -100).sum())
+        return mine
+    return batch_at
+
+
+def _vlm_loss(model, batch):
+    return model(**batch)
+
+
+def trainable_parameters(vlm: DigitVLM, stage: int) -> list:
+    """Stage 1: the projector. Stage 2: the projector and the language model except its (tied) embeddings."""
+    vlm.requires_grad_(False)
+    vlm.projector.requires_grad_(True)
+    if stage == 2:
+        vlm.llm.requires_grad_(True)
+        vlm.llm.get_input_embeddings().requires_grad_(False)
+        vlm.llm.get_output_embeddings().requires_grad_(False)
+    return [p for p in vlm.parameters() if p.requires_grad]
+
+
+def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", device: str = "auto",
+          use_cache: bool = True, progress: bool = True, accelerator=None, out: str | Path | None = None) -> AdaptedRun:
+    """Run (or load from the cache) one adaptation; ``probe(step, vlm, loaded, fmt) -> dict`` is called every
+    ``cfg.probe_every`` stage-2 steps and once before the first (its tag is part of the cache key)."""
+    directory = Path(out) if out else run_dir(cfg, probe_tag)
+    if use_cache and (directory / "run.json").exists():
+        return load_run(directory, device)
+    from accelerate import Accelerator
+    device = resolve_device(device)
+    accelerator = accelerator or Accelerator(cpu=device == "cpu")
+    torch.manual_seed(cfg.seed)
+    loaded = load_model(cfg.model, device=str(accelerator.device))
+    fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
+    vlm = build_vlm(loaded, vision_encoder(str(accelerator.device)), seed=cfg.seed)
+    history, probes, start = [], [], time.perf_counter()
+    warm = lambda steps: max(1, round(cfg.warmup_ratio * steps))
+    if cfg.modality == "vision" and cfg.stage1_steps:
+        params = trainable_parameters(vlm, 1)
+        optimizer = torch.optim.AdamW(params, lr=cfg.stage1_lr, weight_decay=0.0)
+        constant = lambda step: cfg.stage1_lr * min(1.0, (step + 1) / warm(cfg.stage1_steps))
+        result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 1, accelerator),
+                     cfg.stage1_steps, constant, loss_fn=_vlm_loss, clip=cfg.clip, accelerator=accelerator,
+                     progress=progress, desc=f"{cfg.model} stage 1 (projector)")
+        history += [{"stage": 1, **row} for row in result.history]
+    params = trainable_parameters(vlm, 2)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    callbacks = []
+    if probe is not None:
+        callbacks.append(Every(cfg.probe_every, lambda step, model: probe(step, vlm, loaded, fmt), "probe",
+                               at_start=True))
+    result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, cfg.modality, 2, accelerator), cfg.steps,
+                 warmup_cosine(cfg.lr, cfg.steps, warm(cfg.steps), min_lr_ratio=0.0), loss_fn=_vlm_loss,
+                 clip=cfg.clip, callbacks=callbacks, accelerator=accelerator, progress=progress,
+                 desc=f"{cfg.model} stage 2 ({cfg.modality})")
+    history += [{"stage": 2, **row} for row in result.history]
+    probes = [{k: v for k, v in row.items() if k != "name"} for row in result.probes]
+    seconds = time.perf_counter() - start
+    vlm = accelerator.unwrap_model(vlm).eval().requires_grad_(False)
+    record = {"config": cfg.record(), "probe_tag": probe_tag, "history": history, "probes": probes,
+              "seconds": seconds, "torch": torch.__version__, "processes": accelerator.num_processes}
+    if accelerator.is_main_process:
+        save_vlm(vlm, loaded.tokenizer, directory / "model", fmt, {"config": cfg.record()})
+        (directory / "run.json.tmp").write_text(json.dumps(record, indent=1, default=float))
+        (directory / "run.json.tmp").replace(directory / "run.json")
+    accelerator.wait_for_everyone()
+    return AdaptedRun(cfg, vlm, loaded, fmt, history, probes, seconds, False, directory)
+
+
+def load_run(directory: str | Path, device: str = "auto") -> AdaptedRun:
+    directory = Path(directory)
+    record = json.loads((directory / "run.json").read_text())
+    cfg = AdaptConfig(**{**record["config"], "tasks": tuple(record["config"]["tasks"])})
+    vlm, loaded, fmt = load_vlm(directory / "model", device=device)
+    return AdaptedRun(cfg, vlm, loaded, fmt, record["history"], record["probes"], record["seconds"], True, directory)

@@ -1,0 +1,175 @@
+"""The vision-language adaptation pipeline: prompts, labels, the image embedding, frozen parts, saving,
+and two-process training under accelerate against one process with the same global batch."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sinkbook.core.models import load_model
+from sinkbook.training.adapt import AdaptConfig, adapt, trainable_parameters, vision_encoder
+from sinkbook.training.digits import TASKS, WORDS, load_digit_splits, make_examples, question_and_answer
+from sinkbook.training.vlm import (IMAGE_MARKER, PATCHES_PER_DIGIT, PromptFormat, answer_loss, build_vlm,
+                                   encode_examples, load_vlm)
+
+HELPER = Path(__file__).parent / "helpers" / "adapt_run.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm():
+    torch.manual_seed(0)
+    loaded = load_model("tiny-llama", device="cpu")
+    return build_vlm(loaded, vision_encoder("cpu")), loaded
+
+
+def test_digit_split_is_stratified_and_disjoint():
+    train, test = load_digit_splits()
+    assert len(train) + len(test) == 1797
+    for digit in range(10):
+        share = float((test.labels == digit).sum()) / float(((train.labels == digit).sum() + (test.labels == digit).sum()))
+        assert 0.22 < share < 0.28
+    assert not set(map(bytes, test.images.numpy())) & set(map(bytes, train.images.numpy()))
+
+
+def test_examples_have_the_answers_their_digits_imply():
+    train, _ = load_digit_splits()
+    examples = make_examples(train, 50, seed=3)
+    assert [e.task for e in examples[:5]] == list(TASKS)
+    for e in examples:
+        assert e.images.shape == (len(e.digits), 8, 8)
+        assert (e.task == "row") == (len(e.digits) > 1)
+        assert question_and_answer(e.task, e.digits) == (e.question, e.answer)
+        if e.task == "parity":
+            assert e.answer == ("yes" if e.digits[0] % 2 == 0 else "no")
+        if e.task == "row":
+            assert e.answer.split() == [str(d) for d in e.digits]
+        assert e.text_stand_in == "Digits: " + " ".join(WORDS[d] for d in e.digits)
+    assert make_examples(train, 5, seed=3)[0].digits == examples[0].digits
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama", "smollm2-135m-instruct"])
+def test_image_tokens_sit_inside_the_prompt_and_labels_cover_only_the_answer(spec):
+    loaded = load_model(spec, device="cpu")
+    tok, fmt = loaded.tokenizer, PromptFormat.for_tokenizer(loaded.tokenizer)
+    train, _ = load_digit_splits()
+    examples = make_examples(train, 5, seed=1)
+    batch = encode_examples(examples, tok, fmt, "vision")
+    for row, ex in enumerate(examples):
+        image = batch["image_mask"][row]
+        assert int(image.sum()) == PATCHES_PER_DIGIT * len(ex.digits)
+        positions = torch.nonzero(image).flatten()
+        assert positions[0] > 0 and (positions.diff() == 1).all()          # one block, never at position 0
+        labels = batch["labels"][row]
+        answer = tok.decode(labels[labels != -100])
+        assert answer.startswith(ex.answer) and answer.strip() != ex.answer or answer.strip() == ex.answer
+        assert fmt.answer_text(tok, ex.question, IMAGE_MARKER, ex.answer).startswith(answer[: len(ex.answer)] if fmt.chat else " ")
+        assert not (labels != -100)[image].any()
+        real = batch["attention_mask"][row].bool()
+        assert (labels[~real] == -100).all()
+    text = encode_examples(examples, tok, fmt, "text")
+    assert "images" not in text and not text["image_mask"].any()
+    assert tok.decode(text["input_ids"][0][text["attention_mask"][0].bool()]).count("Digits: ") == 1
+    # the text-only counterpart supervises exactly the same answer tokens
+    assert [tok.decode(r[r != -100]) for r in text["labels"]] == [tok.decode(r[r != -100]) for r in batch["labels"]]
+
+
+def test_projected_patches_replace_the_placeholders_in_reading_order(tiny_vlm):
+    vlm, loaded = tiny_vlm
+    train, _ = load_digit_splits()
+    examples = make_examples(train, 4, seed=2, tasks=("row",))
+    batch = encode_examples(examples, loaded.tokenizer, PromptFormat(chat=False), "vision")
+    embeds = vlm.embed(batch["input_ids"], batch["image_mask"], batch["images"])
+    plain = loaded.model.get_input_embeddings()(batch["input_ids"])
+    patches = vlm.projector(vlm.encoder.patches(batch["images"]).flatten(0, 1))
+    torch.testing.assert_close(embeds[batch["image_mask"]], patches)
+    torch.testing.assert_close(embeds[~batch["image_mask"]], plain[~batch["image_mask"]])
+
+
+def test_answer_loss_equals_the_models_own_loss(tiny_vlm):
+    vlm, loaded = tiny_vlm
+    train, _ = load_digit_splits()
+    batch = encode_examples(make_examples(train, 6, seed=4), loaded.tokenizer, PromptFormat(chat=False), "vision")
+    embeds = vlm.embed(batch["input_ids"], batch["image_mask"], batch["images"])
+    ours = answer_loss(loaded.model, embeds, batch["attention_mask"], batch["labels"])
+    theirs = loaded.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    torch.testing.assert_close(ours, theirs)
+    count = int((batch["labels"][:, 1:] != -100).sum())
+    torch.testing.assert_close(answer_loss(loaded.model, embeds, batch["attention_mask"], batch["labels"], count), ours)
+
+
+def test_stages_train_what_the_recipe_says(tiny_vlm):
+    vlm, loaded = tiny_vlm
+    stage1 = set(map(id, trainable_parameters(vlm, 1)))
+    assert stage1 == set(map(id, vlm.projector.parameters()))
+    stage2 = set(map(id, trainable_parameters(vlm, 2)))
+    assert id(loaded.model.get_input_embeddings().weight) not in stage2
+    assert not any(id(p) in stage2 for p in vlm.encoder.parameters())
+    assert stage1 < stage2 and len(stage2) > len(stage1) + 10
+
+
+def _state(directory):
+    vlm, loaded, _ = load_vlm(directory, device="cpu")
+    return {**{f"llm.{k}": v for k, v in loaded.model.state_dict().items()},
+            **{f"projector.{k}": v for k, v in vlm.projector.state_dict().items()},
+            **{f"encoder.{k}": v for k, v in vlm.encoder.state_dict().items()}}
+
+
+def test_training_changes_only_the_trainable_parts_and_round_trips(tmp_path):
+    before_llm = load_model("tiny-llama", device="cpu").model.state_dict()
+    encoder = vision_encoder("cpu").state_dict()
+    cfg = AdaptConfig("tiny-llama", steps=3, stage1_steps=2, batch_size=4, lr=1e-3, stage1_lr=1e-2)
+    run = adapt(cfg, device="cpu", use_cache=False, progress=False, out=tmp_path / "run")
+    after = _state(tmp_path / "run" / "model")
+    embed = "llm.model.embed_tokens.weight"
+    assert torch.equal(after[embed], before_llm["model.embed_tokens.weight"])
+    assert all(torch.equal(after[f"encoder.{k}"], v) for k, v in encoder.items())
+    changed = [k for k, v in before_llm.items() if not torch.equal(after[f"llm.{k}"], v)]
+    assert any("q_proj" in k for k in changed) and "model.embed_tokens.weight" not in changed
+    assert [h["stage"] for h in run.history] == [1, 1, 2, 2, 2]
+    # the saved directory is a plain causal LM for load_model (text-only backbone) and a VLM for load_vlm
+    reloaded = load_model(str(tmp_path / "run" / "model"), device="cpu")
+    ids = torch.tensor([[256, 72, 105]])
+    torch.testing.assert_close(reloaded.model(ids).logits, run.vlm.llm(ids).logits)
+    cached = adapt(cfg, device="cpu", progress=False, out=tmp_path / "run")
+    assert cached.from_cache and cached.history == run.history
+
+
+def test_text_only_run_skips_stage_one(tmp_path):
+    cfg = AdaptConfig("tiny-llama", modality="text", steps=2, stage1_steps=5, batch_size=4)
+    run = adapt(cfg, device="cpu", use_cache=False, progress=False, out=tmp_path / "t")
+    assert [h["stage"] for h in run.history] == [2, 2]
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    one = subprocess.run([sys.executable, str(HELPER), "--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "29533", str(HELPER), "--out", str(tmp_path / "two")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    import json
+    runs = [json.loads((tmp_path / name / "run.json").read_text()) for name in ("one", "two")]
+    assert runs[1]["processes"] == 2
+    for h1, h2 in zip(runs[0]["history"], runs[1]["history"]):        # the global loss and gradient, step by step
+        assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)
+        assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
+    # Weights: AdamW divides by the root of tiny second moments, so float32 rounding between one and two
+    # processes moves a few near-zero-gradient parameters by a few percent of a step; bound it by that.
+    a, b = _state(tmp_path / "one" / "model"), _state(tmp_path / "two" / "model")
+    before = {f"llm.{k}": v for k, v in load_model("tiny-llama", device="cpu").model.state_dict().items()}
+    step = max((a[k] - before[k]).abs().max().item() for k in before)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 0.05 * step, (worst, step)
+
+
+def test_bad_configurations_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        AdaptConfig("tiny-llama", steps=0)
+    with pytest.raises(ValueError, match="modality"):
+        AdaptConfig("tiny-llama", modality="audio")
