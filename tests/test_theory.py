@@ -285,7 +285,51 @@ def test_vscale_radial_peak():
 
 
 # --------------------------------------------------------------------------------------------------
-# Bad input and bookkeeping
+# The chapter's batches of cases
+# --------------------------------------------------------------------------------------------------
+
+
+def test_envelope_table_has_one_row_per_shape_and_stays_under_the_envelopes():
+    table = th.layerwise_envelope_table(0, n_layers=50)
+    assert list(zip(table["H"], table["d_head"])) == list(th.ENVELOPE_SHAPES)
+    assert (table[["max_layerwise_ratio", "max_per_head_ratio"]] <= 1 + 1e-12).all().all()
+    assert (table["min_rho_sqrtH"] <= 1).all()                    # some head always carries at most its share
+
+
+def test_frobenius_cases_include_zero_and_rank_one_updates():
+    forms = th.frobenius_cases(1, n_cases=40, rank_one=10, zero=5)
+    assert forms["relative_difference"].shape == (40,)
+    assert forms["relative_difference"].max() < 1e-12
+    with pytest.raises(ValueError, match="must not exceed"):
+        th.frobenius_cases(1, n_cases=10, rank_one=8, zero=5)
+
+
+def test_prop1_runs_cover_every_shape():
+    runs = th.prop1_identity_runs(0, 3)
+    assert len(runs) == len(th.PROP1_SHAPES)
+    assert len(th.prop1_identity_runs(0, 10)) == 3 * len(th.PROP1_SHAPES)
+    assert all(r["grad_q0_abs_max"] == 0.0 for r in runs)
+
+
+def test_noise_models_and_tightness_curve():
+    table = th.theorem1_noise_models(0, 500, seq_len=16, d=4)
+    assert list(table["noise"]) == ["ar1 (0.6)", "equal (0.6)", "independent (0.0)"]
+    assert (table["lower"] <= table["exact"]).all() and (table["exact"] <= table["upper"] * (1 + 1e-12)).all()
+    curve = th.theorem1_tightness_curve(0, [0.0, 0.5], n_samples=10, seq_len=16, d=4)
+    assert (curve["lower_over_upper"] <= curve["exact_over_upper"] + 1e-12).all()
+
+
+def test_jacobian_tables():
+    rms = th.rmsnorm_jacobian_table(0, 8)
+    assert len(rms) == 4 * 2 and (rms["op_over_bound"] <= 1 + 1e-12).all()
+    vs = th.vscale_jacobian_table(0, 6)
+    assert len(vs) == 3 * 2 and vs["closed_err"].max() < 1e-9
+    with pytest.raises(ValueError, match="points"):
+        th.rmsnorm_jacobian_table(0, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
 # --------------------------------------------------------------------------------------------------
 
 
@@ -311,17 +355,3 @@ def test_other_bad_inputs():
         th.layerwise_envelope(np.ones((1, 10)), np.ones(10), 3)
     with pytest.raises(ValueError, match="input scales"):
         th.magnitude_sweep(th.draw_sink_instances(2, 0), [1, -1])
-
-
-def test_checks_and_claims():
-    ok = th.check("a", "src", "claim", "q", 0.5, 1.0, True, "<= 1")
-    paper = th.check("b", "src", "paper number", "q", 0.1, 0.2, False, "close", must_hold=False)
-    broken = th.check("c", "src", "broken", "q", 2.0, 1.0, False, "<= 1")
-    assert ok["ratio"] == 0.5
-    assert th.failed_checks([ok, paper]) == []
-    assert len(th.failed_checks([ok, paper, broken])) == 1
-    assert "DOES NOT HOLD" in th.verdict([broken]) and "does NOT reproduce" in th.verdict([paper])
-    claims = th.claims_from_checks([ok, paper])
-    assert [c.holds for c in claims] == [True, False]
-    with pytest.raises(ValueError, match="not comparable"):
-        th.check("d", "src", "x", "q", 1, 1, "not comparable", "r", must_hold=True)

@@ -59,13 +59,14 @@ def verdict_html(claim: Claim) -> str:
             f"{why}</div>")
 
 
-def table_html(table, precision: int = 3) -> str:
+def table_html(table, precision: int = 3, index: bool = True) -> str:
     """A DataFrame as HTML in a box that scrolls inside itself, so the page never scrolls sideways."""
     import pandas as pd
     if isinstance(table, pd.Series):
         table = table.to_frame()
     with pd.option_context("display.precision", precision, "display.max_colwidth", 60):
-        inner = table.to_html(classes="sinkbook-table", border=0, float_format=lambda v: f"{v:.{precision}g}")
+        inner = table.to_html(classes="sinkbook-table", border=0, index=index,
+                              float_format=lambda v: f"{v:.{precision}g}")
     return f"<div class='sinkbook-table-box' style='overflow-x:auto;max-width:100%;font-size:0.88em'>{inner}</div>"
 
 
@@ -101,4 +102,4 @@ def show_claims(claims: list[Claim]) -> None:
     import pandas as pd
     frame = pd.DataFrame([{"claim": c.statement, "kind": c.kind, "ours": _value(c.our_value),
                            "paper": _value(c.paper_value), "verdict": c.label} for c in claims])
-    show_html(table_html(frame))
+    show_html(table_html(frame, index=False))

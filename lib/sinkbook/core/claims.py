@@ -168,9 +168,10 @@ def claim(id: str, kind: str, source: str, statement: str, paper_value, our_valu
                  origin=origin)
 
 
-def check(id: str, statement: str, measured, rule: Rule, expected="", source: str = "ours") -> Claim:
-    """A must-hold check of our own code (kind "math"): an exact identity, a count that must be zero."""
-    return claim(id, "math", source, statement, expected, measured, rule, must_hold=True, origin="ours")
+def check(id: str, statement: str, measured, rule: Rule, expected="", source: str = "ours", value=None) -> Claim:
+    """A must-hold check of our own code (kind "math"): an exact identity, a count that must be zero.
+    ``value``: what the rule tests, when it is not the number shown (``measured``)."""
+    return claim(id, "math", source, statement, expected, measured, rule, value, must_hold=True, origin="ours")
 
 
 @dataclasses.dataclass

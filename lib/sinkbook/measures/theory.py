@@ -9,8 +9,8 @@ Gradient-sinks paper (Chen and Yao, arXiv 2603.17771), Sec. 4 and App. D:
   bounds), Theorem 2 (RMSNorm Jacobian), V-scale Jacobian eigenvalues (Prop. 7-8).
 
 Every function returns the measured quantities next to the bound or expected value it is compared with;
-nothing here decides what "holds" means beyond the plain inequality (the notebook and tests do that).
-Formulas are restated in shared/notes/methods.md; the code is ours.
+nothing here decides what "holds" means (the chapter module ``sinkbook.chapters.theorems`` does, with its
+rules). The formulas are restated on the book's methods page (book/methods.md); the code is ours.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 
 # ----------------------------------------------------------------------------------------------------
@@ -679,56 +680,116 @@ def vscale_radial_maximum(c: float = 1.0) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Bookkeeping: one row per check, turned into the chapter's claims
+# The batches of random cases the theorems chapter runs (seeded, so its numbers are reproducible)
 # ----------------------------------------------------------------------------------------------------
 
-
-def check(check_id: str, source: str, claim: str, quantity: str, measured, expected, holds, rule: str,
-          must_hold: bool = True) -> dict:
-    """One row of a chapter table. ``must_hold`` rows are mathematical facts: the notebook raises if one
-    fails. Rows with ``must_hold=False`` compare with a number the paper reports and may not reproduce."""
-    ratio = None
-    if isinstance(measured, (int, float, np.floating)) and isinstance(expected, (int, float, np.floating)) \
-            and expected != 0:
-        ratio = float(measured) / float(expected)
-    if isinstance(holds, str):
-        if holds != "not comparable" or must_hold:
-            raise ValueError(f"check {check_id!r}: holds must be a bool, or 'not comparable' for a paper number")
-    else:
-        holds = bool(holds)
-    return {"id": check_id, "source": source, "claim": claim, "quantity": quantity,
-            "measured": measured, "expected": expected, "ratio": ratio, "holds": holds,
-            "rule": rule, "must_hold": must_hold}
+ENVELOPE_SHAPES = ((2, 4), (4, 8), (8, 16), (16, 64))          # (heads, head width) of the random layers
 
 
-def claims_from_checks(rows: list[dict]):
-    from ..core.claims import Claim
-    return [Claim(id=r["id"], source=r["source"], statement=f'{r["claim"]} ({r["quantity"]})',
-                  paper_value=r["expected"], our_value=r["measured"], rule=r["rule"], holds=r["holds"])
-            for r in rows]
+def layerwise_envelope_table(seed: int, n_layers: int = 500, shapes=ENVELOPE_SHAPES,
+                             rms_eps: float = 1e-6) -> pd.DataFrame:
+    """Eq. 12 and Eq. 13 on random layers with very uneven head energies (log-normal entry scales):
+    one row per shape with the largest norm / envelope under each normalisation and min rho_h sqrt(H)."""
+    _check_positive_int("n_layers", n_layers)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n_heads, d_head in shapes:
+        width = n_heads * d_head
+        q_cat = rng.normal(size=(n_layers, width)) * rng.lognormal(0, 1.5, size=(n_layers, width))
+        gamma = rng.lognormal(0, 0.5, size=(n_layers, width))
+        env = layerwise_envelope(q_cat, gamma, n_heads, rms_eps=rms_eps)
+        rows.append(dict(H=n_heads, d_head=d_head,
+                         max_layerwise_ratio=float(np.max(env["norm_layerwise"] / env["envelope_layerwise"])),
+                         max_per_head_ratio=float(np.max(env["norm_per_head"] / env["envelope_per_head"])),
+                         min_rho_sqrtH=float(np.min(env["rho"]) * np.sqrt(n_heads))))
+    return pd.DataFrame(rows)
 
 
-def failed_checks(rows: list[dict]) -> list[str]:
-    return [f'{r["id"]}: {r["claim"]} -- measured {r["measured"]!r} vs {r["expected"]!r} ({r["rule"]})'
-            for r in rows if r["must_hold"] and r["holds"] is not True]
+def frobenius_cases(seed: int, n_cases: int = 400, rows: int = 8, cols: int = 32, rank_one: int = 100,
+                    zero: int = 10) -> dict:
+    """Eq. 11 against the operator-norm form on random Delta W: full rank, ``rank_one`` rank-one K updates
+    and ``zero`` zero K updates (the case App. A.3 defines separately), random m_q, m_k and gammas."""
+    _check_positive_int("n_cases", n_cases)
+    if rank_one + zero > n_cases:
+        raise ValueError(f"rank_one + zero ({rank_one + zero}) must not exceed n_cases={n_cases}")
+    rng = np.random.default_rng(seed)
+    dq = rng.normal(size=(n_cases, rows, cols))
+    dk = rng.normal(size=(n_cases, rows, cols))
+    dk[:rank_one] = np.einsum("nh,nd->nhd", rng.normal(size=(rank_one, rows)), rng.normal(size=(rank_one, cols)))
+    dk[rank_one:rank_one + zero] = 0.0
+    m_q, m_k = rng.uniform(0.05, 1, n_cases), rng.uniform(0.05, 1, n_cases)
+    forms = frobenius_restatement(dq, dk, m_q, m_k, gamma_q_inf=1.7, gamma_k_inf=0.6)
+    forms["relative_difference"] = (np.abs(forms["frobenius_form"] - forms["operator_form"])
+                                    / forms["operator_form"])
+    return forms
 
 
-def _short(v) -> str:
-    if isinstance(v, (float, np.floating)):
-        return f"{v:.4g}"
-    return str(v)
+PROP1_SHAPES = ((2, 1), (8, 4), (32, 8), (64, 16), (128, 32))   # (tokens, head width) of the random heads
 
 
-def verdict(rows: list[dict]) -> str:
-    """One line per check, worded from its outcome."""
-    words = {True: "holds", False: "DOES NOT HOLD", "not comparable": "not comparable"}
-    lines = []
-    for r in rows:
-        word = words[r["holds"]]
-        if not r["must_hold"] and r["holds"] is True:
-            word = "reproduces"
-        elif not r["must_hold"] and r["holds"] is False:
-            word = "does NOT reproduce"
-        lines.append(f'Verdict: {r["claim"]}: {word} ({r["quantity"]}: {_short(r["measured"])} vs '
-                     f'{_short(r["expected"])}; rule {r["rule"]})')
-    return "\n".join(lines)
+def prop1_identity_runs(seed: int, identity_seeds: int) -> list[dict]:
+    """``prop1_identities`` on ``identity_seeds // 5 + 1`` passes over PROP1_SHAPES, head i seeded seed + i."""
+    _check_positive_int("identity_seeds", identity_seeds)
+    shapes = list(PROP1_SHAPES) * max(1, identity_seeds // 5 + 1)
+    return [prop1_identities(seq_len, d_head, seed + i) for i, (seq_len, d_head) in enumerate(shapes)]
+
+
+NOISE_MODELS = (("ar1", 0.6), ("equal", 0.6), ("independent", 0.0))
+
+
+def theorem1_noise_models(seed: int, n_samples: int, seq_len: int = 64, d: int = 16,
+                          models=NOISE_MODELS) -> pd.DataFrame:
+    """``theorem1_monte_carlo`` under each token-noise model: one row each with the bounds, the Monte-Carlo
+    mean, its z-score against the exact expectation and exact / upper bound."""
+    rows = []
+    for kind, strength in models:
+        r = theorem1_monte_carlo(seq_len, d, n_samples, seed, kind=kind, strength=strength)
+        rows.append(dict(noise=f"{kind} ({strength})", M=r["M"], S=r["S"], lower=r["lower"], mc_mean=r["mc_mean"],
+                         mc_se=r["mc_se"], exact=r["exact"], upper=r["upper"],
+                         z=(r["mc_mean"] - r["exact"]) / r["mc_se"], exact_over_upper=r["exact"] / r["upper"]))
+    return pd.DataFrame(rows)
+
+
+def theorem1_tightness_curve(seed: int, strengths, n_samples: int = 2000, seq_len: int = 64,
+                             d: int = 16) -> pd.DataFrame:
+    """Exact expectation and lower bound as fractions of the upper bound, under AR(1) noise of each strength."""
+    rows = []
+    for s in strengths:
+        t = theorem1_monte_carlo(seq_len, d, n_samples, seed, kind="ar1", strength=float(s))
+        rows.append(dict(strength=float(s), exact_over_upper=t["exact"] / t["upper"],
+                         lower_over_upper=t["lower"] / t["upper"]))
+    return pd.DataFrame(rows)
+
+
+def rmsnorm_jacobian_table(seed: int, points: int, widths=(2, 16, 64, 256), eps: float = 1e-6) -> pd.DataFrame:
+    """``rmsnorm_jacobian_check`` over inputs of scale 1e-4 .. 1e4 (``points // 4`` per width), random gains."""
+    _check_positive_int("points // 4", points // 4)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for d in widths:
+        for log_scale in np.linspace(-4, 4, points // 4):
+            x = rng.normal(size=d) * 10.0 ** log_scale
+            gamma = rng.lognormal(0, 0.7, size=d)
+            r = rmsnorm_jacobian_check(x, gamma, eps=eps)
+            rows.append(dict(d=d, rms=r["rms"], op_over_bound=r["op_norm"] / r["bound"],
+                             closed_err=r["closed_form_max_abs_err"] / r["bound"],
+                             eig_min_rel_err=abs(r["eig_min"] - r["eig_min_expected"])
+                             / max(r["eig_min_expected"], 1e-300),
+                             eig_rest_err=r["eig_rest_max_dev_from_1"]))
+    return pd.DataFrame(rows)
+
+
+def vscale_jacobian_table(seed: int, points: int, constants=(0.01, 1.0, 100.0)) -> pd.DataFrame:
+    """``vscale_jacobian_check`` at r / C from 1e-4 to 1e3 (``points // 3`` per C), random widths 2..64."""
+    _check_positive_int("points // 3", points // 3)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in constants:
+        for log_ratio in np.linspace(-4, 3, points // 3):
+            d = int(rng.integers(2, 65))
+            v = rng.normal(size=d)
+            v *= np.sqrt(c * 10.0 ** log_ratio) / np.linalg.norm(v)
+            r = vscale_jacobian_check(v, c)
+            rows.append(dict(C=c, r_over_C=r["r"] / c, closed_err=r["closed_form_max_abs_err"],
+                             eig_err=r["eig_max_abs_err"], op_norm=r["op_norm"], radial=r["radial"]))
+    return pd.DataFrame(rows)
