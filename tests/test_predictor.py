@@ -1,7 +1,6 @@
-"""The predictor chapter: published numbers reproduced within stated tolerances; statistics against scipy
-and brute force."""
+"""Statistics of the predictor chapter against scipy and brute force, and the published numbers they reproduce
+(the chapter's findings and claims are tested in test_chapter_predictor.py)."""
 import itertools
-import json
 import math
 
 import numpy as np
@@ -9,6 +8,7 @@ import pandas as pd
 import pytest
 from scipy import stats
 
+from sinkbook.core import published as D
 from sinkbook.measures import regression as P
 
 PRINT_2DP = 0.005   # a value printed with two decimals
@@ -16,38 +16,38 @@ PRINT_3DP = 0.0005
 
 
 # ---------------------------------------------------------------------------------------------- data
-@pytest.mark.parametrize("number", sorted(P.TABLE_FILES))
+@pytest.mark.parametrize("number", sorted(D.TABLE_FILES))
 def test_every_table_loads_and_cites_itself(number):
-    df = P.load_table(number)
+    df = D.load_table(number)
     assert len(df) > 0
     assert (df["source_table"] == f"Table {number}").all()
 
 
 def test_table2_rows_sum_to_541_and_net_is_rounded_counts():
-    t2 = P.load_table(2)
+    t2 = D.load_table(2)
     assert (t2[["both_pass", "lost", "gained", "both_fail"]].sum(axis=1) == 541).all()
     np.testing.assert_allclose((100 * (t2.lost - t2.gained) / 541).round(1), t2.net_pct)
 
 
 def test_tables_agree_where_they_overlap():
-    six = P.six_pairs()
-    t11, t12 = P.load_table(11), P.load_table(12)
+    six = D.six_pairs()
+    t11, t12 = D.load_table(11), D.load_table(12)
     np.testing.assert_allclose(six.ifeval, six.actual_delta)                       # Tables 6 and 10
     np.testing.assert_allclose(-six.net_pct, six.ifeval)                            # Table 2
     np.testing.assert_allclose(t11.s[:6].to_numpy(), t12.s[:6].to_numpy())          # same first six rows
     np.testing.assert_allclose(t11.delta_ifeval[:6].to_numpy(), t12.delta_ifeval[:6].to_numpy())
-    t5 = P.load_table(5).set_index("pair")
+    t5 = D.load_table(5).set_index("pair")
     np.testing.assert_allclose(t5.loc[six.pair, "g_base"].to_numpy(), six.s.to_numpy())  # S is the median G_base
 
 
 def test_load_table_rejects_a_file_without_source(tmp_path):
-    pd.DataFrame({"a": [1]}).to_csv(tmp_path / P.TABLE_FILES[3], index=False)
-    with pytest.raises(P.DataError, match="source_table"):
-        P.load_table(3, tmp_path)
-    with pytest.raises(P.DataError, match="missing"):
-        P.load_table(5, tmp_path)
-    with pytest.raises(P.DataError, match="no transcription"):
-        P.load_table(7)
+    pd.DataFrame({"a": [1]}).to_csv(tmp_path / D.TABLE_FILES[3], index=False)
+    with pytest.raises(D.DataError, match="source_table"):
+        D.load_table(3, tmp_path)
+    with pytest.raises(D.DataError, match="missing"):
+        D.load_table(5, tmp_path)
+    with pytest.raises(D.DataError, match="no transcription"):
+        D.load_table(7)
 
 
 # ---------------------------------------------------------------------------------------- statistics
@@ -111,9 +111,9 @@ def test_exact_permutation_pvalue_matches_scipy_permutation_test():
 
 
 def test_permutation_counts_cover_all_orderings_for_17_pairs():
-    t11 = P.load_table(11)
+    t11 = D.load_table(11)
     out = P.permutation_pvalue(t11.s, t11.delta_ifeval)
-    assert out["permutations"] == math.factorial(17)
+    assert out["permutations"] == math.factorial(17) == out["counted"]
     assert 0 < out["p"] < 1e-4                      # rho 0.877 on 17 pairs is far in the tail
 
 
@@ -177,17 +177,17 @@ def test_lemma1_is_tight_in_the_papers_worst_case():
 # ------------------------------------------------------------------------- reproduced published numbers
 @pytest.fixture(scope="module")
 def six():
-    return P.six_pairs()
+    return D.six_pairs()
 
 
 @pytest.fixture(scope="module")
 def published():
-    return P.load_published_statistics()
+    return D.load_published_statistics()
 
 
 def test_six_pair_rank_correlations_reproduce_table4(six):
-    t4 = P.load_table(4).set_index("row").loc["Spearman rho n=6"]
-    for task, col in P.SIX_TASK_COLUMNS.items():
+    t4 = D.load_table(4).set_index("row").loc["Spearman rho n=6"]
+    for task, col in D.SIX_TASK_COLUMNS.items():
         paper = t4[{"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa_d"}[task]]
         env = P.rho_envelope(P.PanelParameters.from_frame(six, "s", col))
         assert env.contains(paper, PRINT_3DP), task
@@ -211,7 +211,7 @@ def test_table10_predictions_reproduce_jointly_only_with_exact_deltas(six):
     best = P.search_consistent_s(exact, six.heldout_pred_delta)
     assert best["max_deviation"] <= PRINT_2DP
     assert best["mean_abs_error"] == pytest.approx(2.54, abs=PRINT_2DP)
-    assert np.all(np.abs(best["s_values"] - exact.s_values) <= P.S_HALF_WIDTH + 1e-12)
+    assert np.all(np.abs(best["s_values"] - exact.s_values) <= D.S_HALF_WIDTH + 1e-12)
     printed = P.search_consistent_s(P.PanelParameters.from_frame(six, "s", "actual_delta"), six.heldout_pred_delta)
     assert printed["max_deviation"] > PRINT_2DP
     for env, paper in zip(P.lopo_prediction_envelopes(exact, 0.0), six.heldout_pred_delta):
@@ -224,13 +224,13 @@ def test_qwen3vl_residual_is_4_4(six, published):
     assert residual == pytest.approx(published["qwen3_vl_heldout_residual_text"], abs=0.05)
 
 
-@pytest.mark.parametrize("task", list(P.SIX_TASK_COLUMNS))
+@pytest.mark.parametrize("task", list(D.SIX_TASK_COLUMNS))
 @pytest.mark.parametrize("which", ["6 pairs", "5 headline"])
 def test_per_task_errors_reproduce_table4(six, task, which):
-    col = P.SIX_TASK_COLUMNS[task]
+    col = D.SIX_TASK_COLUMNS[task]
     frame = six if which == "6 pairs" else six[six.headline].reset_index(drop=True)
     row = "Error, 6 pairs (pt)" if which == "6 pairs" else "Error, 5 headline pairs (pt)"
-    paper = P.load_table(4).set_index("row").loc[row, {"IFEval": "ifeval", "EQ-Bench": "eq_bench",
+    paper = D.load_table(4).set_index("row").loc[row, {"IFEval": "ifeval", "EQ-Bench": "eq_bench",
                                                       "GSM8K": "gsm8k", "GPQA-D": "gpqa_d"}[task]]
     if task == "IFEval":
         env = P.lopo_error_envelope(P.PanelParameters.from_frame(frame, "s", "delta_ifeval_counts"), 0.0)
@@ -241,7 +241,7 @@ def test_per_task_errors_reproduce_table4(six, task, which):
 
 
 def test_panel_rank_correlations_reproduce(published):
-    t11, t12 = P.load_table(11), P.load_table(12)
+    t11, t12 = D.load_table(11), D.load_table(12)
     env = P.rho_envelope(P.PanelParameters.from_frame(t11, "s", "delta_ifeval"))
     assert env.contains(published["rho_spearman_panel17_ifeval"], PRINT_2DP)
     assert float(P.spearman_rho(t11.s, t11.delta_ifeval)) == pytest.approx(0.88, abs=PRINT_2DP)
@@ -251,13 +251,13 @@ def test_panel_rank_correlations_reproduce(published):
 
 
 def test_margin_rank_correlation_is_0_89(six, published):
-    t5 = P.load_table(5).merge(six[["pair", "delta_ifeval_counts"]], on="pair")
+    t5 = D.load_table(5).merge(six[["pair", "delta_ifeval_counts"]], on="pair")
     assert float(P.spearman_rho(t5.g_minus_b, t5.delta_ifeval_counts)) == pytest.approx(
         published["rho_spearman_margin_vs_ifeval_text"], abs=PRINT_2DP)
 
 
 def test_s_ge_2_rule_confusion_on_17_pairs():
-    t11 = P.load_table(11)
+    t11 = D.load_table(11)
     rule = P.threshold_rule_confusion(t11.s, t11.delta_ifeval, 2.0, 5.4, t11.pair)
     table = P.confusion_table(rule)
     assert table.loc["S >= threshold", "within"] == 4 and table.loc["S >= threshold", "beyond"] == 0
@@ -266,19 +266,7 @@ def test_s_ge_2_rule_confusion_on_17_pairs():
 
 
 def test_table5_margins_are_differences_of_the_printed_medians():
-    t5 = P.load_table(5)
+    t5 = D.load_table(5)
     assert np.abs(t5.g_minus_b - (t5.g_base - t5.b_gap)).max() <= 0.015 + 1e-12
     bound = P.lemma1_bound(t5.g_base, t5.b_gap)
     assert ((bound < 0.5) == (t5.g_minus_b > 0)).all()
-
-
-# ----------------------------------------------------------------------------------------- our models
-def test_our_sink_strengths_reads_the_sink_criteria_results(tmp_path):
-    path = tmp_path / "sink_criteria.json"
-    path.write_text(json.dumps({"extra": {"sink_strength": {"smollm2-135m-instruct": {"S": 1.5}}}}))
-    out = P.our_sink_strengths(["smollm2-135m-instruct", "gemma3-270m"], path, compute_missing=False)
-    assert out.set_index("model").S["smollm2-135m-instruct"] == 1.5
-    assert np.isnan(out.set_index("model").S["gemma3-270m"])
-    assert "no extra.sink_strength entry" in out.set_index("model").note["gemma3-270m"]
-    missing = P.our_sink_strengths(["gemma3-270m"], tmp_path / "absent.json", compute_missing=False)
-    assert "does not exist" in missing.note[0]

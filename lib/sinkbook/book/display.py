@@ -74,10 +74,15 @@ def show_figure(fig) -> None:
     if hasattr(fig, "to_plotly_json"):
         show_plotly(fig)
         return
+    import io
+
     import matplotlib.pyplot as plt
-    fig.set_size_inches(min(fig.get_size_inches()[0], 10), fig.get_size_inches()[1])
-    display(fig)
+    from IPython.display import SVG
+    # Rendered here rather than left to the inline backend, which papermill kernels may not have loaded.
+    buffer = io.StringIO()
+    fig.savefig(buffer, format="svg", bbox_inches="tight")
     plt.close(fig)
+    display(SVG(buffer.getvalue()))
 
 
 def show(finding: Finding, table: bool = True) -> None:

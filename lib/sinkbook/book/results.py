@@ -11,17 +11,15 @@ measurements on models, recomputations of published tables and checks of mathema
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import json
-import math
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
 from ..core.claims import KINDS, NOT_COMPARABLE, Claim, MustHoldFailed, failed_must_hold
-from ..core.paths import REPO_ROOT, results_dir
+from ..core.paths import REPO_ROOT, jsonable, results_dir
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
              "lm-eval", "sinkbook")
@@ -44,24 +42,6 @@ def git_commit() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        return _jsonable(x.item())
-    if hasattr(x, "tolist"):
-        return _jsonable(x.tolist())
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if dataclasses.is_dataclass(x):
-        return _jsonable(dataclasses.asdict(x))
-    if isinstance(x, Path):
-        return str(x)
-    return x
 
 
 def write_results(chapter: str, parameters: dict, claims: list[Claim], models: list[dict] | None = None,
@@ -88,7 +68,7 @@ def write_results(chapter: str, parameters: dict, claims: list[Claim], models: l
         doc["extra"] = extra
     path = out_dir / f"{chapter}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_jsonable(doc), indent=1))
+    tmp.write_text(json.dumps(jsonable(doc), indent=1))
     tmp.replace(path)  # atomic, so a crash never leaves a half-written results file
     failed = failed_must_hold(claims)
     if failed:

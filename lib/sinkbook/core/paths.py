@@ -24,3 +24,35 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def jsonable(x):
+    """Numbers, arrays, tensors, dataclasses and paths to plain JSON values (non-finite floats as strings)."""
+    import dataclasses
+    import math
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return jsonable(x.item())
+    if hasattr(x, "tolist"):
+        return jsonable(x.tolist())
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return jsonable(dataclasses.asdict(x))
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: str | Path, doc) -> Path:
+    """Write atomically (a crash never leaves half a file)."""
+    import json
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(jsonable(doc), indent=1))
+    tmp.replace(path)
+    return path

@@ -1,111 +1,27 @@
-"""The VL paper's Sink Strength predictor, recomputed from its published tables (chapter "predictor").
+"""Statistics of the Sink Strength predictor (VL paper, Sections 3.2-3.3 and 4.2), on small arrays of numbers.
 
-Everything here works on small arrays of published numbers: the paper's 1-D linear fit of the IFEval change
-on Sink Strength S, its leave-one-pair-out errors, Spearman's rho, and the statistics we add (bootstrap
-intervals, exact permutation p-values, leave-one-group-out, the S >= 2 rule as a classifier, prediction
-intervals, the Lemma 1 bound). Functions that fit take a trailing "pairs" axis so that a whole batch of
-perturbed inputs (see ``rounding_envelope``) is fitted in one call.
+The paper's 1-D linear fit of a task change on Sink Strength S, its leave-one-pair-out errors and Spearman's
+rho, and the statistics we add: bootstrap intervals, exact permutation p-values, leave-one-group-out, the
+S >= 2 rule as a classifier, prediction intervals, the Lemma 1 bound, and the range a statistic takes over
+every input consistent with rounded printed values (``rounding_envelope``). Functions that fit take a
+trailing "pairs" axis so that a whole batch of perturbed inputs is fitted in one call. Formulas: the book's
+methods page (``book/methods.md``), sections on Sink Strength and Lemma 1.
 
-Source: Choi, Kim, Kim, arXiv 2609.00746, Sections 3.2-3.3, 4.2, Appendix E; data in data/vl_paper/.
+Nothing here reads files or builds claims: the published tables come from ``sinkbook.core.published`` and
+the chapter ``sinkbook.chapters.predictor`` turns these numbers into claims.
 """
 from __future__ import annotations
 
-import inspect
 import itertools
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from ..core.paths import REPO_ROOT
-
-DATA_DIR = REPO_ROOT / "data" / "vl_paper"
-TABLE_FILES = {
-    1: "table01_pairs.csv", 2: "table02_ifeval_prompts.csv", 3: "table03_modality.csv",
-    4: "table04_cross_task.csv", 5: "table05_margins.csv", 6: "table06_knowledge_format.csv",
-    8: "table08_extended.csv", 9: "table09_calibration_n.csv", 10: "table10_lopo.csv",
-    11: "table11_panel17.csv", 12: "table12_panel9.csv", 13: "table13_thirds.csv",
-    14: "table14_trajectory.csv",
-}
-IFEVAL_PROMPTS = 541          # Table 2: the IFEval set each backbone is scored on
-S_HALF_WIDTH = 0.005          # S is printed with two decimals
-DELTA_HALF_WIDTH = 0.05       # task deltas are printed with one decimal
-SIX_TASK_COLUMNS = {"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa"}
-
-
-class DataError(ValueError):
-    """A published-data file is missing or malformed; the message says which and what to do."""
-
-
-# ---------------------------------------------------------------------------------------------- data
-def load_table(number: int, data_dir: str | Path | None = None) -> pd.DataFrame:
-    """One published table as a DataFrame (values as printed, ``source_table`` column checked)."""
-    if number not in TABLE_FILES:
-        raise DataError(f"no transcription of VL-paper Table {number}; available: {sorted(TABLE_FILES)}")
-    path = Path(data_dir or DATA_DIR) / TABLE_FILES[number]
-    if not path.exists():
-        raise DataError(f"{path} is missing: restore it from git (`git checkout -- {path.relative_to(REPO_ROOT)}`)"
-                        if path.is_relative_to(REPO_ROOT) else f"{path} is missing")
-    df = pd.read_csv(path)
-    if "source_table" not in df.columns:
-        raise DataError(f"{path.name} has no source_table column; every published-data file must cite its table")
-    expected = f"Table {number}"
-    wrong = df.loc[df["source_table"] != expected, "source_table"].unique()
-    if len(wrong):
-        raise DataError(f"{path.name}: source_table should read {expected!r}, found {list(wrong)}")
-    return df
-
-
-def load_published_statistics(data_dir: str | Path | None = None) -> dict[str, float]:
-    path = Path(data_dir or DATA_DIR) / "published_statistics.csv"
-    if not path.exists():
-        raise DataError(f"{path} is missing: restore it from git")
-    df = pd.read_csv(path)
-    return dict(zip(df["statistic"], df["value"].astype(float)))
-
-
-def six_pairs(data_dir: str | Path | None = None) -> pd.DataFrame:
-    """The six pairs of Tables 1/2/6/10 in one frame: S, the four task deltas, counts, reference, QK class.
-
-    ``delta_ifeval_counts`` is the IFEval change recomputed from Table 2's counts, (gained - lost) / 541,
-    which is what the one-decimal IFEval deltas are rounded from.
-    """
-    t1, t2, t6, t10 = (load_table(n, data_dir) for n in (1, 2, 6, 10))
-    t6 = t6[t6["pair"] != "Mean"]
-    df = t10.merge(t1[["pair", "reference_llm", "panel"]], on="pair", validate="1:1")
-    df = df.merge(t6[["pair", *SIX_TASK_COLUMNS.values()]], on="pair", validate="1:1")
-    df = df.merge(t2[["pair", "lost", "gained", "both_pass", "both_fail", "net_pct"]], on="pair", validate="1:1")
-    if len(df) != 6:
-        raise DataError(f"expected the six pairs of Table 10 in Tables 1, 2 and 6, matched {len(df)}")
-    if not np.allclose(df["actual_delta"], df["ifeval"]):
-        raise DataError("Table 10 and Table 6 disagree on the IFEval deltas; check the transcriptions")
-    df["delta_ifeval_counts"] = 100.0 * (df["gained"] - df["lost"]) / IFEVAL_PROMPTS
-    df["headline"] = df["panel"] == "headline"
-    df["vlm_family"] = df["pair"].map(vlm_family)
-    return df
-
-
-def vlm_family(pair: str) -> str:
-    """The VLM vendor line a pair belongs to (Qwen-VL, InternVL, LLaVA, Molmo, ...)."""
-    for prefix, family in (("Qwen", "Qwen-VL"), ("InternVL", "InternVL"), ("LLaVA", "LLaVA"),
-                           ("Molmo", "Molmo"), ("Ovis", "Ovis"), ("MiniCPM", "MiniCPM"), ("Idefics", "Idefics")):
-        if pair.startswith(prefix):
-            return family
-    raise DataError(f"no VLM family known for pair {pair!r}; extend sinkbook.predictor.vlm_family")
-
-
-def reference_family(reference_llm: str) -> str:
-    """Reference-LLM family as the paper counts them (Qwen, Olmo, Mistral, Llama-3.1, plus OLMoE)."""
-    for prefix, family in (("Qwen", "Qwen"), ("OLMoE", "OLMoE"), ("Olmo", "Olmo"), ("Mistral", "Mistral"),
-                           ("Llama", "Llama-3.1")):
-        if reference_llm.startswith(prefix):
-            return family
-    raise DataError(f"no family known for reference LLM {reference_llm!r}")
+from ..core.published import DELTA_HALF_WIDTH, S_HALF_WIDTH, DataError
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -234,8 +150,6 @@ def permutation_pvalue(x, y, alternative: str = "greater") -> dict:
     ry2 = np.rint(2 * midranks(y)).astype(np.int64)
     counts = _rank_product_counts(rx2, ry2)
     total = math.factorial(len(x))
-    if sum(counts.values()) != total:
-        raise AssertionError("permutation count does not add up to n!")
     observed = int(rx2 @ ry2)
     n = len(x)
     centre = n * (n + 1) ** 2  # sum of doubled midranks products at zero correlation: 4 * n * ((n+1)/2)^2
@@ -247,7 +161,9 @@ def permutation_pvalue(x, y, alternative: str = "greater") -> dict:
         hits = sum(c for v, c in counts.items() if abs(v - centre) >= abs(observed - centre))
     else:
         raise ValueError(f"alternative must be 'greater', 'less' or 'two-sided', got {alternative!r}")
-    return {"p": hits / total, "hits": hits, "permutations": total, "rho": float(spearman_rho(x, y))}
+    # "counted" must equal n!: the chapter checks it, as the dynamic programme's own proof of completeness
+    return {"p": hits / total, "hits": hits, "permutations": total, "counted": sum(counts.values()),
+            "rho": float(spearman_rho(x, y))}
 
 
 # -------------------------------------------------------------------------------- rounding envelopes
@@ -355,6 +271,27 @@ def lopo_prediction_envelopes(params: PanelParameters, delta_half_width: float =
             for i in range(len(params.deltas))]
 
 
+def search_consistent_s(params: PanelParameters, published_predictions, levels: int = 21) -> dict:
+    """Search the S rounding box (deltas held as given) for the S vector whose leave-one-pair-out
+    predictions come closest, in the worst pair, to the published ones.
+
+    If the best worst-pair deviation is below the published rounding (0.005), a single set of unrounded
+    S values within the printed ones reproduces the whole published column at once.
+    """
+    k = len(params.s_values)
+    if levels ** k > 500_000:
+        raise ValueError(f"{levels}^{k} grid points is too many; lower `levels`")
+    grid = np.array(list(itertools.product(np.linspace(-S_HALF_WIDTH, S_HALF_WIDTH, levels), repeat=k)))
+    batch = np.repeat(params.vector[None, :], len(grid), axis=0)
+    batch[:, :k] += grid
+    x, y = params.split(batch)
+    linear, _ = leave_one_group_out(x, y)
+    worst = np.abs(linear - np.asarray(published_predictions, float)).max(-1)
+    best = int(worst.argmin())
+    return {"s_values": batch[best, :k], "max_deviation": float(worst[best]), "predictions": linear[best],
+            "mean_abs_error": float(mean_abs_error(linear[best], y[best]))}
+
+
 # ------------------------------------------------------------------------------- rule and prediction
 def threshold_rule_confusion(s, delta, s_threshold: float = 2.0, within_pt: float = 5.4, labels=None) -> pd.DataFrame:
     """The paper's rule "S >= threshold stays within `within_pt` of the reference" as a classifier.
@@ -427,111 +364,3 @@ def lemma1_worst_case(g: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, sink
     probs = np.exp(perturbed - perturbed.max())
     probs /= probs.sum()
     return {"non_sink_mass": float(1 - probs[0]), "bound": float(lemma1_bound(g, b_gap)), "G": float(realised_g)}
-
-
-# --------------------------------------------------------------------------------------- our models
-def our_sink_strengths(models: list[str], results_path: str | Path | None = None, compute_missing: bool = True,
-                       device: str = "auto") -> pd.DataFrame:
-    """S for each model spec: from the sink-criteria chapter's results file, else computed here.
-
-    Columns: model, S (NaN when unavailable), source, note. Never raises for a missing S: the note says why
-    and what to do, so the notebook can mark the dependent claims "not comparable".
-    """
-    from ..core.paths import results_dir
-    path = Path(results_path) if results_path else results_dir() / "sink_criteria.json"
-    from_file: dict = {}
-    if path.exists():
-        try:
-            from_file = json.loads(path.read_text()).get("extra", {}).get("sink_strength", {}) or {}
-        except (json.JSONDecodeError, AttributeError) as err:
-            from_file = {}
-            file_note = f"{path} could not be read ({err}); rebuild the sink-criteria chapter"
-        else:
-            file_note = f"{path} has no extra.sink_strength entry for this model"
-    else:
-        file_note = f"{path} does not exist yet (build the sink-criteria chapter first)"
-    rows = []
-    for spec in models:
-        entry = from_file.get(spec)
-        if isinstance(entry, dict) and entry.get("S") is not None:
-            rows.append({"model": spec, "S": float(entry["S"]), "source": str(path.relative_to(REPO_ROOT))
-                         if path.is_relative_to(REPO_ROOT) else str(path), "note": ""})
-            continue
-        if not compute_missing:
-            rows.append({"model": spec, "S": np.nan, "source": "", "note": file_note})
-            continue
-        s_value, note = _compute_sink_strength(spec, device)
-        rows.append({"model": spec, "S": s_value, "source": "computed here" if np.isfinite(s_value) else "",
-                     "note": note if np.isfinite(s_value) else f"{file_note}; {note}"})
-    return pd.DataFrame(rows, columns=["model", "S", "source", "note"])
-
-
-def _compute_sink_strength(spec: str, device: str) -> tuple[float, str]:
-    try:
-        from .strength import sink_strength
-    except ImportError:
-        return float("nan"), "sinkbook.strength.sink_strength is not available in this checkout"
-    try:
-        from ..core.models import load_model
-        loaded = load_model(spec, device=device)
-        # the strength module is written by another chapter; accept either calling convention
-        if "tokenizer" in inspect.signature(sink_strength).parameters:
-            out = sink_strength(loaded.model, loaded.tokenizer)
-        else:
-            out = sink_strength(loaded)
-    except Exception as err:  # a missing model package or an API change must not sink the whole chapter
-        return float("nan"), f"computing S for {spec!r} failed: {type(err).__name__}: {err}"
-    value = out.get("S") if isinstance(out, dict) else getattr(out, "S", out)
-    try:
-        return float(value), "computed with sinkbook.strength.sink_strength"
-    except (TypeError, ValueError):
-        return float("nan"), f"sink_strength returned {type(out).__name__}, not a number or a result with S"
-
-
-def search_consistent_s(params: PanelParameters, published_predictions, levels: int = 21) -> dict:
-    """Search the S rounding box (deltas held as given) for the S vector whose leave-one-pair-out
-    predictions come closest, in the worst pair, to the published ones.
-
-    If the best worst-pair deviation is below the published rounding (0.005), a single set of unrounded
-    S values within the printed ones reproduces the whole published column at once.
-    """
-    k = len(params.s_values)
-    if levels ** k > 500_000:
-        raise ValueError(f"{levels}^{k} grid points is too many; lower `levels`")
-    grid = np.array(list(itertools.product(np.linspace(-S_HALF_WIDTH, S_HALF_WIDTH, levels), repeat=k)))
-    batch = np.repeat(params.vector[None, :], len(grid), axis=0)
-    batch[:, :k] += grid
-    x, y = params.split(batch)
-    linear, _ = leave_one_group_out(x, y)
-    worst = np.abs(linear - np.asarray(published_predictions, float)).max(-1)
-    best = int(worst.argmin())
-    return {"s_values": batch[best, :k], "max_deviation": float(worst[best]), "predictions": linear[best],
-            "mean_abs_error": float(mean_abs_error(linear[best], y[best]))}
-
-
-# ------------------------------------------------------------------------------------------ claims
-def _fmt_num(v: float) -> str:
-    return f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-
-
-def envelope_claim(claim_id: str, source: str, statement: str, paper_value: float, envelope: Envelope,
-                   printed_half_width: float, inputs: str):
-    """A claim that holds when the published value is consistent with our value over the rounding box.
-
-    our_value shows the value from the printed inputs and the range over all inputs those printed values
-    allow; the rule names both tolerances so a reader can see nothing was widened to make it pass.
-    """
-    from ..core.claims import Claim
-    our = (f"{_fmt_num(envelope.point)} (range {_fmt_num(envelope.low)} to {_fmt_num(envelope.high)} "
-           f"over the rounding of {inputs})")
-    rule = (f"paper value within [min, max] of ours over the input rounding box ({inputs}), "
-            f"widened only by the paper's own print rounding +-{printed_half_width:g}")
-    return Claim(claim_id, source, statement, paper_value, our, rule, envelope.contains(paper_value, printed_half_width))
-
-
-def close_claim(claim_id: str, source: str, statement: str, paper_value: float, our_value: float,
-                tolerance: float, why: str):
-    """A claim that holds when |ours - paper| <= tolerance; ``why`` justifies the tolerance."""
-    from ..core.claims import Claim
-    return Claim(claim_id, source, statement, paper_value, float(our_value),
-                 f"|ours - paper| <= {tolerance:g} ({why})", bool(abs(our_value - paper_value) <= tolerance + 1e-12))

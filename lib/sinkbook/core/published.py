@@ -1,0 +1,101 @@
+"""The VL paper's published tables, as transcribed in ``data/vl_paper/`` (see its README for provenance).
+
+Every value is read as printed; nothing here derives a statistic. ``six_pairs`` joins the tables that describe
+the paper's six pairs (Tables 1, 2, 6 and 10) and adds the one quantity the counts of Table 2 give more finely
+than the printed deltas: the IFEval change (gained - lost) / 541.
+
+Source: Choi, Kim, Kim, arXiv 2609.00746 (the VL paper).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .paths import REPO_ROOT
+
+DATA_DIR = REPO_ROOT / "data" / "vl_paper"
+TABLE_FILES = {
+    1: "table01_pairs.csv", 2: "table02_ifeval_prompts.csv", 3: "table03_modality.csv",
+    4: "table04_cross_task.csv", 5: "table05_margins.csv", 6: "table06_knowledge_format.csv",
+    8: "table08_extended.csv", 9: "table09_calibration_n.csv", 10: "table10_lopo.csv",
+    11: "table11_panel17.csv", 12: "table12_panel9.csv", 13: "table13_thirds.csv",
+    14: "table14_trajectory.csv",
+}
+IFEVAL_PROMPTS = 541          # Table 2: the IFEval set each backbone is scored on
+S_HALF_WIDTH = 0.005          # S is printed with two decimals
+DELTA_HALF_WIDTH = 0.05       # task deltas are printed with one decimal
+# task name -> column of the six-pair frame (Table 6) and column of Table 4
+SIX_TASK_COLUMNS = {"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa"}
+TABLE4_COLUMNS = {"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa_d"}
+
+
+class DataError(ValueError):
+    """A published-data file is missing or malformed; the message says which and what to do."""
+
+
+def load_table(number: int, data_dir: str | Path | None = None) -> pd.DataFrame:
+    """One published table as a DataFrame (values as printed, ``source_table`` column checked)."""
+    if number not in TABLE_FILES:
+        raise DataError(f"no transcription of VL-paper Table {number}; available: {sorted(TABLE_FILES)}")
+    path = Path(data_dir or DATA_DIR) / TABLE_FILES[number]
+    if not path.exists():
+        raise DataError(f"{path} is missing: restore it from git (`git checkout -- {path.relative_to(REPO_ROOT)}`)"
+                        if path.is_relative_to(REPO_ROOT) else f"{path} is missing")
+    df = pd.read_csv(path)
+    if "source_table" not in df.columns:
+        raise DataError(f"{path.name} has no source_table column; every published-data file must cite its table")
+    expected = f"Table {number}"
+    wrong = df.loc[df["source_table"] != expected, "source_table"].unique()
+    if len(wrong):
+        raise DataError(f"{path.name}: source_table should read {expected!r}, found {list(wrong)}")
+    return df
+
+
+def load_published_statistics(data_dir: str | Path | None = None) -> dict[str, float]:
+    """Statistics the paper prints in table footers or in its text (the 2.54 pt error, the S >= 2 rule, ...)."""
+    path = Path(data_dir or DATA_DIR) / "published_statistics.csv"
+    if not path.exists():
+        raise DataError(f"{path} is missing: restore it from git")
+    df = pd.read_csv(path)
+    return dict(zip(df["statistic"], df["value"].astype(float)))
+
+
+def six_pairs(data_dir: str | Path | None = None) -> pd.DataFrame:
+    """The six pairs of Tables 1/2/6/10 in one frame: S, the four task deltas, counts, reference, QK class.
+
+    ``delta_ifeval_counts`` is the IFEval change recomputed from Table 2's counts, (gained - lost) / 541,
+    which is what the one-decimal IFEval deltas are rounded from.
+    """
+    t1, t2, t6, t10 = (load_table(n, data_dir) for n in (1, 2, 6, 10))
+    t6 = t6[t6["pair"] != "Mean"]
+    df = t10.merge(t1[["pair", "reference_llm", "panel"]], on="pair", validate="1:1")
+    df = df.merge(t6[["pair", *SIX_TASK_COLUMNS.values()]], on="pair", validate="1:1")
+    df = df.merge(t2[["pair", "lost", "gained", "both_pass", "both_fail", "net_pct"]], on="pair", validate="1:1")
+    if len(df) != 6:
+        raise DataError(f"expected the six pairs of Table 10 in Tables 1, 2 and 6, matched {len(df)}")
+    if not np.allclose(df["actual_delta"], df["ifeval"]):
+        raise DataError("Table 10 and Table 6 disagree on the IFEval deltas; check the transcriptions")
+    df["delta_ifeval_counts"] = 100.0 * (df["gained"] - df["lost"]) / IFEVAL_PROMPTS
+    df["headline"] = df["panel"] == "headline"
+    df["vlm_family"] = df["pair"].map(vlm_family)
+    return df
+
+
+def vlm_family(pair: str) -> str:
+    """The VLM vendor line a pair belongs to (Qwen-VL, InternVL, LLaVA, Molmo, ...)."""
+    for prefix, family in (("Qwen", "Qwen-VL"), ("InternVL", "InternVL"), ("LLaVA", "LLaVA"),
+                           ("Molmo", "Molmo"), ("Ovis", "Ovis"), ("MiniCPM", "MiniCPM"), ("Idefics", "Idefics")):
+        if pair.startswith(prefix):
+            return family
+    raise DataError(f"no VLM family known for pair {pair!r}; extend sinkbook.core.published.vlm_family")
+
+
+def reference_family(reference_llm: str) -> str:
+    """Reference-LLM family as the paper counts them (Qwen, Olmo, Mistral, Llama-3.1, plus OLMoE)."""
+    for prefix, family in (("Qwen", "Qwen"), ("OLMoE", "OLMoE"), ("Olmo", "Olmo"), ("Mistral", "Mistral"),
+                           ("Llama", "Llama-3.1")):
+        if reference_llm.startswith(prefix):
+            return family
+    raise DataError(f"no family known for reference LLM {reference_llm!r}")
