@@ -8,7 +8,8 @@ Peak memory: each mode runs in a fresh child process; on CPU the peak is the pro
 the run above its RSS just before (the kernel's high-water mark is reset through /proc/self/clear_refs),
 on a GPU torch.cuda.max_memory_allocated above the memory allocated before.
 
-Targets (issue 3): time ratio <= 1.5, peak-memory ratio <= 1.25.
+Targets (ours: S should stay a cheap screen, as the VL paper sells it): time ratio <= 1.5, peak-memory
+ratio <= 1.25.
 
     .venv/bin/python scripts/bench_strength.py [--models smollm2-135m-instruct gemma3-270m] [--repeats 5]
 """

@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from sinkbook.measures import criteria
 from sinkbook.core.hooks import capture, intervene
 from sinkbook.core.models import encode
+from sinkbook.interventions.zero_k import zero_k_edits, zero_k_effect
+from sinkbook.measures import criteria
 
 
 def _hidden_with_massive_token(B=2, T=6, D=32, dim=5, value=500.0):
@@ -103,7 +104,7 @@ def test_zero_k_zeroes_only_the_top_dimension_of_the_sink_key():
     k = torch.randn(2, 3, 5, 8)
     k[0, :, 1, 2] = 50.0
     position = torch.tensor([1, 0])
-    edit = criteria.zero_k_edits([0], position)[("k", 0)]
+    edit = zero_k_edits([0], position)[("k", 0)]
     new = edit(k, 0)
     assert (new[0, :, 1, 2] == 0).all()
     top = k[1, :, 0].abs().argmax(-1)
@@ -120,12 +121,12 @@ def test_zero_k_changes_attention_to_the_sink_through_intervene(loaded_model):
     with torch.no_grad(), capture(loaded.model, points=("pattern",), layers=[0]) as cap:
         loaded.model(**batch)
     before = cap["pattern", 0][0, :, 1:, 0]
-    with torch.no_grad(), intervene(loaded.model, criteria.zero_k_edits([0], first)), \
+    with torch.no_grad(), intervene(loaded.model, zero_k_edits([0], first)), \
             capture(loaded.model, points=("pattern",), layers=[0]) as cap:
         loaded.model(**batch)
     after = cap["pattern", 0][0, :, 1:, 0]
     assert not torch.allclose(before, after)
-    table = criteria.zero_k_effect(loaded, ["a short sentence", "another sentence that is longer"])
+    table = zero_k_effect(loaded, ["a short sentence", "another sentence that is longer"])
     assert list(table.columns) == ["layer", "before", "after"] and len(table) == 3
     assert (table.before - table.after).abs().max() > 1e-4
 

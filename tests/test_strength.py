@@ -120,6 +120,24 @@ def test_window_selection_and_statistics(loaded_model):
         only_last.strength(2)
 
 
+def test_layer_quantiles_and_window_sweeps(loaded_model):
+    loaded = loaded_model("tiny-llama")
+    result = sink_strength(loaded, TEXTS, layers="all")
+    boxes = result.layer_quantiles(2)
+    assert list(boxes.layer) == [1, 2]
+    for row in boxes.itertuples():
+        g = result.gaps[row.layer].flatten()
+        g = g[~torch.isnan(g)]
+        assert row.median == pytest.approx(float(g.quantile(0.5)), abs=1e-6)
+        assert g.min() <= row.lowerfence <= row.q1 <= row.median <= row.q3 <= row.upperfence <= g.max()
+    # the App. E.4 windows by default, clipped to the 3 layers; the thirds only when asked for
+    windows = sinkstrength.window_sweep(result)
+    assert list(windows.window) == ["3", "5", "10", "15", "20"] and set(windows.layers) == {"0-2"}
+    assert windows.S.nunique() == 1 and windows.S[0] == pytest.approx(result.strength(3))
+    thirds = sinkstrength.window_sweep(result, sinkstrength.THIRDS)
+    assert list(thirds.layers) == ["0-0", "1-1", "2-2"]
+
+
 def test_no_layer_logits_outlive_their_layer(loaded_model, monkeypatch):
     """Each layer's (B, H, T, S) logits must be freed before the next layer computes its own."""
     loaded = loaded_model("tiny-llama")

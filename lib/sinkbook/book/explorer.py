@@ -57,6 +57,11 @@ def explorer_data(loaded, prompts: list[str], chat: bool | None = None, max_toke
     return out
 
 
+def explorer_datasets(models, prompts: list[str], chat: bool | None = None, max_tokens: int = 64) -> list[dict]:
+    """``explorer_data`` for each loaded model, in order: what ``static_explorer_html`` takes."""
+    return [explorer_data(loaded, prompts, chat=chat, max_tokens=max_tokens) for loaded in models]
+
+
 def _readable(token: str) -> str:
     """Byte-level BPE markers to what they stand for, so axis labels read as text."""
     return token.replace("Ġ", "␣").replace("▁", "␣").replace("Ċ", "⏎").replace("\n", "⏎")

@@ -2,6 +2,7 @@
 
 The edit acts on the keys the attention kernel receives (after QK-norm and RoPE, through the ``k``
 intervention point), at every chosen layer and KV head, for one token per sequence; other keys are untouched.
+Definition: the book's methods page (book/methods.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Sink Strength (VL paper, Sec. 3.2 and App. D.1): how hard each head leans on its favourite key.
 
+Formulas: the book's methods page (book/methods.md), after the VL paper Sec. 3.2, App. D.1 and E.4.
+
 For layer l, head h and query q, let p* be the key with the largest attention logit. The gap
 
     G = l_{p*} - logsumexp_{p != p*} l_p  ( = log(a_{p*} / (1 - a_{p*})) )
@@ -30,6 +32,8 @@ from ..core.hooks import capture, intervene
 
 DEFAULT_WINDOW = 10
 STRONG_SINK_G = 2.0      # G > 2 means the favourite key takes > 88% of the head's attention
+WINDOWS_E4 = (3, 5, 10, 15, 20)            # the last-K windows of VL App. E.4
+THIRDS = ("early", "middle", "late")       # equal thirds of the decoder (VL Table 13)
 
 
 def gap_from_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +121,22 @@ class StrengthResult:
                              "mean_G": float(vals.mean()), "strong_fraction": float((vals > STRONG_SINK_G).float().mean()),
                              "sink_key": int(rel.mode().values), "sink_key_share": float((rel == rel.mode().values).float().mean())})
         return pd.DataFrame(rows)
+
+    def layer_quantiles(self, window: int | str | None = DEFAULT_WINDOW):
+        """pandas DataFrame, one row per layer of the window: the five numbers of a box plot of G (quartiles,
+        and the furthest G within 1.5 IQR of them), so a figure need not carry every gap."""
+        import pandas as pd
+        rows = []
+        for layer in self.layers_for(window):
+            g = self.gaps[layer].flatten()
+            g = g[~torch.isnan(g)]
+            if g.numel() == 0:
+                continue
+            q1, median, q3 = (float(g.quantile(q)) for q in (0.25, 0.5, 0.75))
+            reach = 1.5 * (q3 - q1)
+            rows.append({"layer": layer, "q1": q1, "median": median, "q3": q3,
+                         "lowerfence": float(g[g >= q1 - reach].min()), "upperfence": float(g[g <= q3 + reach].max())})
+        return pd.DataFrame(rows, columns=["layer", "q1", "median", "q3", "lowerfence", "upperfence"])
 
     def quantiles(self, window: int | str | None = DEFAULT_WINDOW, qs=(0.05, 0.25, 0.5, 0.75, 0.95)) -> dict:
         g = self.values(window)
@@ -207,9 +227,10 @@ def sample_size_sweep(result: StrengthResult, sizes=(5, 10, 15, 25, 50, 100), se
     return pd.DataFrame(rows)
 
 
-def window_sweep(result: StrengthResult, windows=(3, 5, 10, 15, 20, "early", "middle", "late")):
-    """S (median and mean) and strong fraction for each window: last K layers or a third of the decoder.
-    K larger than the model's depth is clipped to all layers (and says so in the 'layers' column)."""
+def window_sweep(result: StrengthResult, windows=WINDOWS_E4):
+    """S (median and mean) and strong fraction for each window: last K layers or a third of the decoder
+    (``windows=THIRDS``). K larger than the model's depth is clipped to all layers (and says so in the
+    'layers' column)."""
     import pandas as pd
     rows = []
     for window in windows:

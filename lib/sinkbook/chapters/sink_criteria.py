@@ -1,0 +1,631 @@
+"""Which tokens are sinks, and how strong is the sink?
+
+The chapter puts three papers' sink criteria side by side on the same models and prompts:
+
+- the OutRo paper's Q1 (Sec. 3, Fig. 1a, App. A.2, Tables 1, A.1, A.3): the massive-activation criterion
+  Phi_LLM against the sink-dimension ratio criterion Phi_VLM, sink dimensions against outlier dimensions, and
+  Zero-K (Sec. 4, Figs. 4-5);
+- the VL paper's Sink Strength S (Sec. 3.2), its strong-sink share (App. D.2), and its robustness to the
+  calibration sample size (App. D.1), the window and the median (App. E.4, Table 13);
+- the gradient-sinks paper's head-fraction criterion Sink^eps (Sec. 3).
+
+Formulas of every criterion and statistic: the book's methods page (book/methods.md). Measurements come
+from ``sinkbook.measures.criteria``, ``sinkbook.measures.strength`` and ``sinkbook.interventions.zero_k``;
+the finding functions below only turn them into tables, figures and claims, so they run on synthetic
+tables in the tests. Any model runs: a model with no massive activation, no sink layer, a single model
+(no comparison across models) or fewer layers than the window gives "not comparable" claims and a note.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pandas as pd
+
+from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.profiles import Profiles, Settings
+from ..measures.strength import STRONG_SINK_G, THIRDS, WINDOWS_E4
+
+NAME = "sink_criteria"
+REAL_MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+
+_BOOK = dict(models=REAL_MODELS, n_prompts=15, census_prompts=15, zero_k_prompts=10, window=10, eps=0.3, t_eps=64,
+             tau=20.0, seed=0, sweep_all_models=True, pool_prompts=100, sweep_sizes=[5, 10, 15, 25, 50, 100],
+             sweep_seeds=3, explorer_prompts=3, explorer_tokens=64, interactive=False)
+PROFILES = Profiles({
+    # quick (CI): a 3-prompt census, Zero-K on 2 prompts, the sample-size sweep on the first model only and
+    # over the 15 calibration prompts (no pool forward), a one-prompt explorer of 16 tokens.
+    "quick": {**_BOOK, "census_prompts": 3, "zero_k_prompts": 2, "sweep_all_models": False, "pool_prompts": 0,
+              "sweep_sizes": [5, 10, 15], "sweep_seeds": 2, "explorer_prompts": 1, "explorer_tokens": 16},
+    "default": _BOOK,
+    # gpu: the same measurements; pass hub models with -y 'models: [...]' on a machine that reaches the hub.
+    "gpu": dict(_BOOK),
+})
+
+TAU_SWEEP = (20.0, 25.0, 30.0)        # the thresholds of OutRo Table A.3
+ZERO_K_SINK_LAYER = 0.3               # ours: a layer counts as a sink layer when baseline attention to token 0 >= 0.3
+HEAD_FRACTION_VOTE = 0.5              # ours: token 0 is the layer's sink when at least half the heads vote for it
+
+# ---- the verdict rules, each written once ---------------------------------------------------------------------
+PHI_LLM_SPARSE = Rule("share <= 0.05 (threshold ours)", lambda share: share <= 0.05)
+PHI_VLM_OVERIDENTIFIES = Rule("share >= 3x Phi_LLM's and > 0.2, last third of layers (thresholds ours)",
+                              lambda v: v[0] >= 3 * max(v[1], 1e-9) and v[0] > 0.2)
+SINK_DIMS_ARE_OUTLIERS = Rule("all sink dims are outlier dims", lambda share: share == 1)
+ZERO_K_COLLAPSES = Rule("after/before <= 0.5 and lower in >= 90% of sink layers (thresholds ours)",
+                        lambda v: v[0] <= 0.5 and v[1] >= 0.9)
+HEAD_FRACTION_MOST_LAYERS = Rule(f"share of layers with Sink^eps >= {HEAD_FRACTION_VOTE:g} > 0.5 (thresholds ours)",
+                                 lambda share: share > 0.5)
+PER_HEAD_ABOVE_LAYERWISE = Rule("every per-head model's share > every layerwise model's share",
+                                lambda v: v[0] > v[1])
+PER_HEAD_ABOVE_NONE = Rule("every per-head model's share > every no-QK-norm model's share", lambda v: v[0] > v[1])
+SAMPLE_SIZE_SHIFT = Rule.at_most(0.11, "|S(5) - S(15)| (seed means)")
+RISES_WITH_DEPTH = Rule("early < middle < late", lambda v: v[0] < v[1] < v[2])
+WINDOW_ORDER_KEPT = Rule.true("no pair of models changes order by S across the last-K windows K = "
+                              + ", ".join(str(k) for k in WINDOWS_E4) + " (clipped to the depth)")
+MEAN_KEEPS_SIGN_AND_ORDER = Rule.true("mean G has the sign of S for every model and orders the models as S "
+                                      "does, at the window K")
+S_FINITE = Rule.true("S finite and no infinite G")
+ALL_QUERIES_COUNTED = Rule.true("finite gaps == (real tokens - 1 per prompt) x heads x layers")
+EXPLORER_COVERS = Rule.true("(layers, heads) of every pattern == the model's, and every prompt present")
+
+
+def _per_model(statement: str, spec: str) -> str:
+    return f"{statement} ({spec})"
+
+
+def _one_model_reason(specs) -> tuple[bool, str]:
+    return len(specs) >= 2, "one model in this run: there is no ordering of models to compare"
+
+
+def _subplot_grid(n: int) -> tuple[int, int]:
+    cols = min(n, 3)
+    return math.ceil(n / cols), cols
+
+
+def _subplots(titles, **kwargs):
+    from plotly.subplots import make_subplots
+    rows, cols = _subplot_grid(len(titles))
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(titles), **kwargs)
+    places = [(i // cols + 1, i % cols + 1) for i in range(len(titles))]
+    return fig, places, rows
+
+
+# ---- the models ------------------------------------------------------------------------------------------------
+
+def models_finding(infos: list[dict]) -> Finding:
+    """The models of the run (``architecture_info`` rows): one column per model, so the table stays narrow."""
+    keep = ["family", "layers", "heads", "kv_heads", "head_dim", "hidden_size", "qk_norm", "chat_template"]
+    table = pd.DataFrame(infos).set_index("spec")[keep].T
+    return Finding("The models", table=table)
+
+
+# ---- 1. Phi_LLM against Phi_VLM ---------------------------------------------------------------------------------
+
+def census_summary(census: dict, hidden_size: int, taus) -> dict:
+    """One model's census (``criteria.sink_census``) reduced to the shares the claims read."""
+    per_layer, n_tokens = census["layers"], census["n_tokens"]
+    n_layers = len(per_layer)
+    deep = per_layer[per_layer.layer >= 2 * n_layers // 3]
+    flagged = int(per_layer.phi_llm_sinks.sum())
+    row = {"sqrt(D)": math.sqrt(hidden_size), "sink dims": list(census["sink_dims"]),
+           "massive dims found": bool(census["sink_dims_are_massive"]),
+           "Phi_LLM share (all layers)": flagged / (n_tokens * n_layers),
+           "Phi_LLM flags that are token 0": 1 - per_layer.phi_llm_other_tokens.sum() / max(flagged, 1),
+           "layers with a Phi_LLM sink": int((per_layer.phi_llm_sinks > 0).sum())}
+    for t in taus:
+        row[f"Phi_VLM tau={t:g} share, last third"] = deep[f"phi_vlm_{t:g}"].sum() / (n_tokens * len(deep))
+    row["Phi_LLM share, last third"] = deep.phi_llm_sinks.sum() / (n_tokens * len(deep))
+    row["Phi_LLM flags"] = flagged
+    return row
+
+
+def census_finding(census: dict, hidden_sizes: dict, tau: float, taus=TAU_SWEEP) -> Finding:
+    """Phi_LLM is sparse and Phi_VLM over-identifies (OutRo Q1): ``census`` maps spec -> ``sink_census``."""
+    taus = sorted({float(tau), *map(float, taus)})
+    specs = list(census)
+    rows = {spec: census_summary(census[spec], hidden_sizes[spec], taus) for spec in specs}
+    claims, notes = [], []
+    for spec in specs:
+        r = rows[spec]
+        share, vlm, llm = r["Phi_LLM share (all layers)"], r[f"Phi_VLM tau={tau:g} share, last third"], \
+            r["Phi_LLM share, last third"]
+        has_massive = r["Phi_LLM flags"] > 0
+        no_massive = "Phi_LLM flags no token on this model: it has no massive activation"
+        claims.append(claim(f"phi_llm_sparse_{slug(spec)}", "measured", "OutRo, Q1 / Fig. 1a, A.2",
+                            _per_model("Phi_LLM flags few tokens (<= 5% over all layers)", spec),
+                            "sparse, structural tokens", round(float(share), 4), PHI_LLM_SPARSE,
+                            precondition=(has_massive, no_massive)))
+        fires = tau <= r["sqrt(D)"]
+        why = (no_massive + ", so the sink dimensions are a fallback, not D_sink" if not r["massive dims found"]
+               else f"tau = {tau:g} exceeds sqrt(D) = {r['sqrt(D)']:.1f}: Phi_VLM cannot flag any token")
+        claims.append(claim(f"phi_vlm_overidentifies_{slug(spec)}", "measured", "OutRo, Q1 / Table A.3",
+                            _per_model(f"Phi_VLM (tau={tau:g}) flags far more tokens than Phi_LLM in deep layers",
+                                       spec),
+                            "majority of tokens in deeper layers", round(float(vlm), 4), PHI_VLM_OVERIDENTIFIES,
+                            value=(vlm, llm), precondition=(r["massive dims found"] and fires, why)))
+        if has_massive:
+            notes.append(f"{spec}: Phi_LLM flags {100 * share:.1f}% of tokens over all layers, "
+                         f"{100 * r['Phi_LLM flags that are token 0']:.0f}% of them the first token.")
+        else:
+            notes.append(f"{spec}: Phi_LLM flags no token at any layer (no entry reaches max(100, 1000 x median |h|)); "
+                         f"its sink dimensions {r['sink dims']} are the dims with the largest |h| / median |h| "
+                         f"instead.")
+        capped = [f"{t:g}" for t in taus if t > r["sqrt(D)"]]
+        if capped:
+            notes.append(f"{spec}: sqrt(D) = {r['sqrt(D)']:.1f}, so Phi_VLM cannot fire at tau = {', '.join(capped)}.")
+    fig, places, n_rows = _subplots(specs, shared_yaxes=True)
+    colours = ["#d62728", "#ff7f0e", "#2ca02c", "#9467bd"]
+    for i, (spec, (row, col)) in enumerate(zip(specs, places)):
+        per_layer, n_tokens = census[spec]["layers"], census[spec]["n_tokens"]
+        fig.add_bar(x=per_layer.layer, y=per_layer.phi_llm_sinks / n_tokens, name="Phi_LLM", row=row, col=col,
+                    marker_color="black", showlegend=i == 0)
+        for t, colour in zip(taus, itertools.cycle(colours)):
+            fig.add_scatter(x=per_layer.layer, y=per_layer[f"phi_vlm_{t:g}"] / n_tokens, mode="lines+markers",
+                            name=f"Phi_VLM tau={t:g}", line_color=colour, row=row, col=col, showlegend=i == 0)
+    fig.update_yaxes(title_text="share of tokens flagged", col=1)
+    fig.update_xaxes(title_text="layer")
+    fig.update_layout(height=380 * n_rows + 40, title="Sink tokens per layer (OutRo Fig. 1a / A.2 analog)")
+    table = pd.DataFrame(rows).drop(index=["Phi_LLM flags"])
+    return Finding("Sinks per layer under Phi_LLM and Phi_VLM", claims=claims, table=table, figures=[fig],
+                   notes=notes, data={"summary": rows})
+
+
+# ---- 2. sink dimensions against outlier dimensions ---------------------------------------------------------------
+
+def dimensions_finding(census: dict) -> Finding:
+    """Sink dimensions are outlier dimensions (OutRo Table 1 / A.1); needs a model with massive activations."""
+    rows, claims, notes = {}, [], []
+    for spec, c in census.items():
+        sink, outlier = set(c["sink_dims"]), set(c["outlier_dims"])
+        overlap = len(sink & outlier)
+        rows[spec] = {"sink dims": sorted(sink), "outlier dims": sorted(outlier), "n outlier dims": len(outlier),
+                      "sink dims that are outliers": overlap, "share": overlap / max(len(sink), 1)}
+        claims.append(claim(f"sink_dims_are_outliers_{slug(spec)}", "measured", "OutRo, Table 1 / A.1",
+                            _per_model("sink dimensions are outlier dimensions", spec), "strong overlap",
+                            f"{overlap}/{len(sink)}", SINK_DIMS_ARE_OUTLIERS, value=rows[spec]["share"],
+                            precondition=(bool(c["sink_dims_are_massive"]),
+                                          "no massive activation on this model: its sink dimensions are a fallback")))
+        notes.append(f"{spec}: {overlap} of {len(sink)} sink dimensions are outlier dimensions "
+                     f"({len(outlier)} outlier dimensions in all).")
+    return Finding("Sink dimensions and outlier dimensions", claims=claims, table=pd.DataFrame(rows), notes=notes)
+
+
+# ---- 3. Zero-K ------------------------------------------------------------------------------------------------
+
+def zero_k_finding(zero_k: dict) -> Finding:
+    """Zeroing the top-1 dim of the sink key suppresses attention to it (OutRo Sec. 4 / Figs. 4-5).
+
+    ``zero_k`` maps spec -> DataFrame(layer, before, after) from ``zero_k_effect``; the claim looks at the sink
+    layers only (baseline attention to token 0 >= 0.3) and is not comparable on a model without one."""
+    rows, claims = {}, []
+    for spec, z in zero_k.items():
+        sink_layers = z[z.before >= ZERO_K_SINK_LAYER]
+        n = len(sink_layers)
+        before, after = (float(sink_layers.before.mean()), float(sink_layers.after.mean())) if n else (math.nan,) * 2
+        ratio = after / before if n else math.nan
+        dropped = float((sink_layers.after < sink_layers.before).mean()) if n else math.nan
+        rows[spec] = {f"sink layers (baseline >= {ZERO_K_SINK_LAYER:g})": n, "mean before": before,
+                      "mean after": after, "after / before": ratio, "layers where it dropped": dropped}
+        claims.append(claim(f"zero_k_{slug(spec)}", "measured", "OutRo, Sec. 4 / Fig. 4-5",
+                            _per_model("zeroing the top-1 dim of the sink key suppresses attention to the sink "
+                                       "across layers", spec), "substantially eliminated", round(ratio, 3),
+                            ZERO_K_COLLAPSES, value=(ratio, dropped),
+                            precondition=(n > 0, f"no layer pays token 0 an attention of {ZERO_K_SINK_LAYER:g} or "
+                                                 f"more at baseline: there is no sink to suppress")))
+    specs = list(zero_k)
+    fig, places, n_rows = _subplots(specs, shared_yaxes=True)
+    for i, (spec, (row, col)) in enumerate(zip(specs, places)):
+        z = zero_k[spec]
+        fig.add_scatter(x=z.layer, y=z.before, name="baseline", line_color="black", row=row, col=col,
+                        showlegend=i == 0)
+        fig.add_scatter(x=z.layer, y=z.after, name="Zero-K top-1", line_color="#d62728", row=row, col=col,
+                        showlegend=i == 0)
+    fig.update_yaxes(title_text="attention to token 0", range=[0, 1], col=1)
+    fig.update_xaxes(title_text="layer")
+    fig.update_layout(height=360 * n_rows + 40, title="Zero-K (OutRo Fig. 4/5 analog)")
+    return Finding("Zero-K", claims=claims, table=pd.DataFrame(rows), figures=[fig])
+
+
+# ---- 4. Sink Strength ---------------------------------------------------------------------------------------------
+
+def _shares(table: pd.DataFrame, kind: str) -> pd.Series:
+    return table.loc[table.qk_norm == kind, "strong fraction (G>2)"]
+
+
+def _per_head_against(per_head: pd.Series, other: pd.Series, other_model: str, label: str):
+    """(lowest per-head share, highest other share), its text, and the precondition: both kinds in the run."""
+    missing = [kind for kind, shares in (("per-head QK-norm model", per_head), (other_model, other)) if shares.empty]
+    if missing:
+        return (math.nan, math.nan), "no pair", (False, "the run has no " + " and no ".join(missing))
+    low, high = float(per_head.min()), float(other.max())
+    return (low, high), f"{100 * low:.1f}% (per-head) vs {100 * high:.1f}% ({label})", (True, "")
+
+
+def strength_finding(measured: dict) -> Finding:
+    """S, the distribution of G and the strong-sink share by QK-norm kind (VL Sec. 3.2, App. D.2).
+
+    ``measured`` maps spec -> {"summary": ``StrengthResult.summary``, "qk_norm", "heads": ``head_table`` (all
+    layers), "boxes": ``layer_quantiles`` (window), "n_gaps", "expected_gaps", "g_finite"}."""
+    table = pd.DataFrame({spec: {"qk_norm": m["qk_norm"], "chat": m["summary"]["chat"], "S": m["summary"]["S"],
+                                 "mean G": m["summary"]["mean_G"],
+                                 "strong fraction (G>2)": m["summary"]["strong_fraction"],
+                                 **m["summary"]["quantiles"], "gaps": m["summary"]["n_gaps"],
+                                 "seconds": m["summary"]["seconds"]} for spec, m in measured.items()}).T
+    numeric = [c for c in table.columns if c not in ("qk_norm", "chat")]
+    table[numeric] = table[numeric].astype(float)
+    claims, notes = [], []
+    per_head = _shares(table, "per-head")
+    value, text, why = _per_head_against(per_head, _shares(table, "layerwise"), "layerwise QK-norm model", "layerwise")
+    claims.append(claim("strong_sinks_per_head_vs_layerwise", "measured", "VL paper, App. D.2",
+                        "the per-head QK-norm backbone has a larger share of strong sinks (G > 2) than the "
+                        "layerwise QK-norm one", "58% (Qwen3-8B, per-head) vs 8.5% (Molmo2-O, layerwise)",
+                        text, PER_HEAD_ABOVE_LAYERWISE, value=value, precondition=why))
+    value, text, why = _per_head_against(per_head, _shares(table, "none"), "model without QK-norm", "none")
+    claims.append(claim("strong_sinks_per_head_vs_none", "measured", "ours (after VL paper, App. D.2)",
+                        "the per-head QK-norm model has a larger share of strong sinks (G > 2) than the model "
+                        "without QK-norm", "not stated (the paper compares per-head with layerwise)",
+                        text, PER_HEAD_ABOVE_NONE, value=value, origin="ours", precondition=why))
+    for spec, m in measured.items():
+        s = m["summary"]
+        kind = "no QK-norm" if m["qk_norm"] == "none" else f"{m['qk_norm']} QK-norm"
+        notes.append(f"{spec} ({kind}): S = {s['S']:.2f} over the last {s['window']} layers; "
+                     f"{100 * s['strong_fraction']:.1f}% of (layer, head, query) have G > {STRONG_SINK_G:g}.")
+        claims.append(check(f"check_s_finite_{slug(spec)}", _per_model("S is finite and G has no infinities", spec),
+                            bool(math.isfinite(s["S"]) and m["g_finite"]), S_FINITE, expected=True))
+        claims.append(check(f"check_every_query_counted_{slug(spec)}",
+                            _per_model("every real query but the first of each prompt is counted", spec),
+                            m["n_gaps"] == m["expected_gaps"], ALL_QUERIES_COUNTED, expected=True))
+    return Finding("Sink Strength S and the distribution of G", claims=claims, table=table.T,
+                   figures=[_head_heatmaps(measured), _layer_boxes(measured)], notes=notes)
+
+
+def _head_heatmaps(measured: dict):
+    specs = list(measured)
+    fig, places, n_rows = _subplots([f"{s}: median G per (layer, head)" for s in specs])
+    for spec, (row, col) in zip(specs, places):
+        grid = measured[spec]["heads"].pivot(index="head", columns="layer", values="median_G")
+        fig.add_heatmap(z=grid.values, x=grid.columns, y=grid.index, coloraxis="coloraxis", row=row, col=col)
+    fig.update_layout(height=340 * n_rows + 40, coloraxis=dict(colorscale="RdBu", cmid=0, colorbar_title="median G"))
+    fig.update_xaxes(title_text="layer")
+    fig.update_yaxes(title_text="head", col=1)
+    return fig
+
+
+def _layer_boxes(measured: dict):
+    """Box plots drawn from precomputed quartiles, so the page does not carry every gap."""
+    import plotly.graph_objects as go
+    specs = list(measured)
+    fig, places, n_rows = _subplots([f"{s}: G by layer (last {measured[s]['summary']['window']})" for s in specs],
+                                    shared_yaxes=True)
+    for spec, (row, col) in zip(specs, places):
+        b = measured[spec]["boxes"]
+        fig.add_trace(go.Box(x=b["layer"].astype(str), q1=b["q1"], median=b["median"], q3=b["q3"],
+                             lowerfence=b["lowerfence"], upperfence=b["upperfence"], marker_color="#1f77b4",
+                             showlegend=False), row=row, col=col)
+    fig.add_hline(y=STRONG_SINK_G, line_dash="dot", annotation_text=f"G = {STRONG_SINK_G:g}")
+    fig.update_layout(height=340 * n_rows + 40)
+    fig.update_xaxes(title_text="layer")
+    fig.update_yaxes(title_text="G", col=1)
+    return fig
+
+
+def cost_finding(timings: dict) -> Finding:
+    """One timing per model: S (all layers) against a plain forward pass over the same prompts. No verdict:
+    one run on a shared machine is not a benchmark (``scripts/bench_strength.py`` is)."""
+    table = pd.DataFrame({spec: {"plain forward s": t["forward_s"], "S (all layers) s": t["strength_s"],
+                                 "ratio": t["strength_s"] / t["forward_s"]} for spec, t in timings.items()}).T
+    notes = [f"{spec}: S took {r['ratio']:.2f}x the time of a plain forward pass over the same prompts "
+             f"(one run each)." for spec, r in table.iterrows()]
+    return Finding("Cost of S", table=table, notes=notes)
+
+
+# ---- 5. robustness of S ---------------------------------------------------------------------------------------------
+
+def sample_size_finding(sweeps: dict) -> Finding:
+    """S moves little between N = 5 and N = 15 prompts (VL App. D.1). ``sweeps``: spec -> ``sample_size_sweep``."""
+    claims, notes, frames = [], [], []
+    for spec, sweep in sweeps.items():
+        s = (sweep.groupby("N").agg(S_mean=("S", "mean"), S_sd=("S", "std")) if len(sweep)
+             else pd.DataFrame(columns=["S_mean", "S_sd"]))
+        frames.append(s.assign(model=spec).reset_index())
+        have = {5, 15} <= set(s.index)
+        shift = abs(s.loc[5, "S_mean"] - s.loc[15, "S_mean"]) if have else math.nan
+        claims.append(claim(f"s_sample_size_{slug(spec)}", "measured", "VL paper, App. D.1",
+                            _per_model("S moves little between N=5 and N=15 calibration prompts", spec), "<= 0.11",
+                            round(float(shift), 3), SAMPLE_SIZE_SHIFT,
+                            precondition=(have, "the sweep has no N = 5 and N = 15 subsets (too few prompts "
+                                                "measured)")))
+        if len(s.index) >= 2 and 10 in s.index:
+            largest = int(s.index.max())
+            notes.append(f"{spec}: S moves by {abs(s.loc[10, 'S_mean'] - s.loc[largest, 'S_mean']):.3f} between "
+                         f"N=10 and N={largest}.")
+    table = (pd.concat(frames).pivot(index="N", columns="model", values=["S_mean", "S_sd"]) if frames
+             else pd.DataFrame())
+    return Finding("Sample size", claims=claims, table=table, notes=notes)
+
+
+def _orders_agree(a: dict, b: dict) -> bool:
+    """Every pair of models is ordered the same way by the values in ``a`` and in ``b`` (spec -> number)."""
+    return all(np.sign(a[x] - a[y]) == np.sign(b[x] - b[y]) for x, y in itertools.combinations(a, 2))
+
+
+def window_finding(windows: dict, at_window: dict) -> Finding:
+    """The last-K window and the median (VL App. E.4).
+
+    ``windows``: spec -> ``window_sweep`` over ``WINDOWS_E4`` (K clipped to the depth); ``at_window``: spec ->
+    (S, mean G, K) at the chapter's window, K clipped to the model's depth."""
+    specs = list(windows)
+    table = pd.concat([w.assign(model=spec) for spec, w in windows.items()])
+    table["window"] = pd.Categorical(table["window"], categories=list(dict.fromkeys(table["window"])), ordered=True)
+    by_window = table.pivot(index="window", columns="model", values="S")
+    comparable = _one_model_reason(specs)
+    columns = [dict(by_window.loc[k, specs]) for k in by_window.index]
+    order_kept = all(_orders_agree(columns[0], c) for c in columns[1:])
+    median = {spec: at_window[spec][0] for spec in specs}
+    mean = {spec: at_window[spec][1] for spec in specs}
+    sign_kept = all(np.sign(median[s]) == np.sign(mean[s]) for s in specs)
+    mean_order_kept = _orders_agree(median, mean)
+    claims = [
+        claim("s_window_ordering", "measured", "VL paper, App. E.4",
+              "the ordering of models by S does not depend on the last-K window", "no pairwise reversal",
+              ("same" if order_kept else "reversed") if comparable[0] else "one model", WINDOW_ORDER_KEPT,
+              value=order_kept, precondition=comparable),
+        claim("s_median_vs_mean", "measured", "VL paper, App. E.4",
+              "using the mean instead of the median keeps the sign of S and the model ordering", "preserved",
+              f"ordering {'kept' if mean_order_kept else 'changed'}, sign {'kept' if sign_kept else 'changed'}"
+              if comparable[0] else f"one model; sign {'kept' if sign_kept else 'changed'}",
+              MEAN_KEEPS_SIGN_AND_ORDER, value=mean_order_kept and sign_kept, precondition=comparable)]
+    notes = [f"{spec}: over the last {at_window[spec][2]} layers S = {median[spec]:.2f}, mean G = {mean[spec]:.2f}."
+             for spec in specs]
+    shown = table.pivot(index="window", columns="model", values=["S", "mean_G"])
+    return Finding("Window and median", claims=claims, table=shown, notes=notes)
+
+
+def thirds_finding(thirds: dict) -> Finding:
+    """S rises with depth over equal thirds of the decoder (VL Table 13). ``thirds``: spec -> ``window_sweep``
+    over ``THIRDS``, or None for a model with fewer than three layers."""
+    claims, rows = [], {}
+    for spec, t in thirds.items():
+        values = t.set_index("window").loc[list(THIRDS), "S"].round(3).tolist() if t is not None else []
+        rows[spec] = dict(zip(THIRDS, values))
+        claims.append(claim(f"s_rises_with_depth_{slug(spec)}", "measured", "VL paper, Table 13",
+                            _per_model("S rises from the early to the middle to the late third of the decoder", spec),
+                            "+0.20 / +0.91 / +1.56 (mean of six pairs)", values, RISES_WITH_DEPTH,
+                            precondition=(len(values) == 3, "fewer than three layers: the thirds are not defined")))
+    notes = ["Table 13 also reports the rank correlation of each third's S with the IFEval gap (the early third "
+             "carries almost no signal); that needs the VLM pairs and is not measured here."]
+    return Finding("S by third of the decoder", claims=claims, table=pd.DataFrame(rows), notes=notes)
+
+
+# ---- 6. head fraction --------------------------------------------------------------------------------------------
+
+def _corr(a, b) -> float:
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.corrcoef(a, b)[0, 1]) if len(a) > 1 and a.std() > 0 and b.std() > 0 else math.nan
+
+
+def head_fraction_finding(census: dict) -> Finding:
+    """Token 0 is the sink by the gradient-sinks paper's head-fraction criterion in most layers (Sec. 3)."""
+    rows, claims = {}, []
+    vote = f"layers with Sink^eps >= {HEAD_FRACTION_VOTE:g}"
+    for spec, c in census.items():
+        per_layer = c["layers"]
+        rows[spec] = {vote: float((per_layer.sink_eps >= HEAD_FRACTION_VOTE).mean()),
+                      "median Sink^eps": float(per_layer.sink_eps.median()),
+                      "median M_0": float(per_layer.M_s.median()),
+                      "median S_0 / M_0": float((per_layer.S_s / per_layer.M_s).median()),
+                      "corr(Sink^eps, attention to token 0)": _corr(per_layer.sink_eps, per_layer.attn_to_first)}
+        claims.append(claim(f"head_fraction_{slug(spec)}", "measured", "gradient-sinks paper, Sec. 3 (Sink^eps)",
+                            _per_model("token 0 is a sink by the head-fraction criterion in most layers", spec),
+                            "token 0 is the sink", round(rows[spec][vote], 3), HEAD_FRACTION_MOST_LAYERS))
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["Sink^eps of token 0 per layer", "column mass M_0 per layer"])
+    for spec, c in census.items():
+        per_layer = c["layers"]
+        fig.add_scatter(x=per_layer.layer, y=per_layer.sink_eps, name=spec, row=1, col=1)
+        fig.add_scatter(x=per_layer.layer, y=per_layer.M_s, name=f"{spec} M_0", row=1, col=2)
+        fig.add_scatter(x=per_layer.layer, y=per_layer.S_s, name=f"{spec} S_0", line_dash="dot", row=1, col=2)
+    fig.update_xaxes(title_text="layer")
+    fig.update_layout(height=400, legend=dict(orientation="h", y=-0.25))
+    return Finding("Head fraction and column mass", claims=claims, table=pd.DataFrame(rows), figures=[fig])
+
+
+# ---- the explorer -------------------------------------------------------------------------------------------------
+
+def explorer_finding(datasets: list[dict], expected_prompts: int) -> Finding:
+    """Checks that the explorer's data (``book.explorer.explorer_data`` per model) covers every layer and head."""
+    claims = []
+    for d in datasets:
+        covered = all(p["pattern"].shape[:2] == (d["layers"], d["heads"]) for p in d["prompts"])
+        claims.append(check(f"check_explorer_covers_{slug(d['model'])}",
+                            _per_model(f"the explorer covers every layer and head of {expected_prompts} prompts",
+                                       d["model"]),
+                            bool(covered and len(d["prompts"]) == expected_prompts), EXPLORER_COVERS, expected=True))
+    return Finding("Per-head attention explorer", claims=claims)
+
+
+# ---- the chapter ------------------------------------------------------------------------------------------------
+
+class SinkCriteria:
+    """The chapter's measurements, cached, and its findings in notebook order."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.claims: list = []
+        self._loaded: dict = {}
+        self._cache: dict = {}
+        self._findings: dict = {}
+        self._start = time.perf_counter()
+
+    # -- models and prompts, loaded on first use
+    @property
+    def loaded(self) -> dict:
+        from ..core.models import load_model
+        for spec in self.settings.models:
+            if spec not in self._loaded:
+                self._loaded[spec] = load_model(spec, device=self.settings.device)
+        return self._loaded
+
+    def _measure(self, key, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def _finding(self, key, build) -> Finding:
+        """Each finding once: a second call returns it without claiming its numbers twice."""
+        if key not in self._findings:
+            self._findings[key] = build()
+            self.claims += self._findings[key].claims
+        return self._findings[key]
+
+    def _prompts(self, n: int, source: str = "calibration") -> list[str]:
+        from ..core.prompts import prompt_texts
+        return prompt_texts(n, source)
+
+    def info(self) -> dict:
+        from ..core.models import architecture_info
+        return self._measure("info", lambda: {spec: architecture_info(m) for spec, m in self.loaded.items()})
+
+    def window_for(self, spec: str) -> int:
+        """The window K clipped to the model's depth."""
+        return min(self.settings.window, self.info()[spec]["layers"])
+
+    # -- measurements
+    def census(self) -> dict:
+        from ..measures.criteria import sink_census
+        s = self.settings
+        taus = sorted({float(s.tau), *TAU_SWEEP})
+        return self._measure("census", lambda: {
+            spec: sink_census(m, self._prompts(s.census_prompts), taus=taus, eps=s.eps, t_eps=s.t_eps)
+            for spec, m in self.loaded.items()})
+
+    def zero_k_tables(self) -> dict:
+        from ..interventions.zero_k import zero_k_effect
+        return self._measure("zero_k", lambda: {spec: zero_k_effect(m, self._prompts(self.settings.zero_k_prompts))
+                                                for spec, m in self.loaded.items()})
+
+    def strength_results(self) -> dict:
+        """G on the calibration prompts at every layer (so every window is a reduction of the same gaps)."""
+        from ..measures.strength import sink_strength
+        return self._measure("strength", lambda: {spec: sink_strength(m, self._prompts(self.settings.n_prompts),
+                                                                      layers="all")
+                                                  for spec, m in self.loaded.items()})
+
+    def strength_summaries(self) -> dict:
+        return {spec: r.summary(self.window_for(spec)) for spec, r in self.strength_results().items()}
+
+    def _strength_measured(self) -> dict:
+        out = {}
+        for spec, r in self.strength_results().items():
+            k = self.window_for(spec)
+            g = r.values(k)
+            real = r.attention_mask.sum(-1)
+            info = self.info()[spec]
+            out[spec] = {"summary": r.summary(k), "qk_norm": info["qk_norm"], "heads": r.head_table(None),
+                         "boxes": r.layer_quantiles(k), "n_gaps": int(g.numel()), "g_finite": bool(g.isfinite().all()),
+                         # independent of how G was masked: each prompt's real tokens but its first, per head
+                         "expected_gaps": int((real - 1).clamp_min(0).sum()) * info["heads"] * k}
+        return out
+
+    def timings(self) -> dict:
+        import torch
+
+        from ..core.models import encode
+
+        def measure():
+            out = {}
+            for spec, m in self.loaded.items():
+                batch = encode(m.tokenizer, self._prompts(self.settings.n_prompts), device=m.device)
+                start = time.perf_counter()
+                with torch.no_grad():
+                    m.model(**batch, use_cache=False)
+                out[spec] = {"forward_s": time.perf_counter() - start,
+                             "strength_s": self.strength_results()[spec].seconds}
+            return out
+        self.strength_results()
+        return self._measure("timings", measure)
+
+    def sweep_models(self) -> list[str]:
+        return list(self.settings.models) if self.settings.sweep_all_models else list(self.settings.models)[:1]
+
+    def sample_sweeps(self) -> dict:
+        """S on random subsets of the pool (or of the calibration prompts when ``pool_prompts`` is 0)."""
+        from ..measures.strength import sample_size_sweep, sink_strength
+        s = self.settings
+
+        def measure():
+            out = {}
+            for spec in self.sweep_models():
+                result = (sink_strength(self.loaded[spec], self._prompts(s.pool_prompts, "pool"), layers="all")
+                          if s.pool_prompts else self.strength_results()[spec])
+                seeds = tuple(range(s.seed, s.seed + s.sweep_seeds))
+                out[spec] = sample_size_sweep(result, tuple(s.sweep_sizes), seeds, self.window_for(spec))
+            return out
+        return self._measure("sample_sweeps", measure)
+
+    # -- findings, in notebook order
+    def models(self) -> Finding:
+        return self._finding("models", lambda: models_finding(list(self.info().values())))
+
+    def criteria(self) -> Finding:
+        return self._finding("criteria", lambda: census_finding(
+            self.census(), {spec: i["hidden_size"] for spec, i in self.info().items()}, self.settings.tau))
+
+    def dimensions(self) -> Finding:
+        return self._finding("dimensions", lambda: dimensions_finding(self.census()))
+
+    def zero_k(self) -> Finding:
+        return self._finding("zero_k", lambda: zero_k_finding(self.zero_k_tables()))
+
+    def strength(self) -> Finding:
+        return self._finding("strength", lambda: strength_finding(self._strength_measured()))
+
+    def cost(self) -> Finding:
+        return self._finding("cost", lambda: cost_finding(self.timings()))
+
+    def sample_size(self) -> Finding:
+        return self._finding("sample_size", lambda: sample_size_finding(self.sample_sweeps()))
+
+    def windows(self) -> Finding:
+        from ..measures.strength import window_sweep
+
+        def build():
+            results = self.strength_results()
+            at_window = {spec: (s["S"], s["mean_G"], s["window"]) for spec, s in self.strength_summaries().items()}
+            return window_finding({spec: window_sweep(r, WINDOWS_E4) for spec, r in results.items()}, at_window)
+        return self._finding("windows", build)
+
+    def thirds(self) -> Finding:
+        from ..measures.strength import window_sweep
+        return self._finding("thirds", lambda: thirds_finding(
+            {spec: window_sweep(r, THIRDS) if r.n_layers >= 3 else None
+             for spec, r in self.strength_results().items()}))
+
+    def head_fraction(self) -> Finding:
+        return self._finding("head_fraction", lambda: head_fraction_finding(self.census()))
+
+    def explorer_prompts(self) -> list[str]:
+        """The shortest calibration prompts (the page grows with T^2), in their original order."""
+        calibration = self._prompts(self.settings.n_prompts)
+        shortest = sorted(range(len(calibration)), key=lambda i: len(calibration[i]))[:self.settings.explorer_prompts]
+        return [calibration[i] for i in sorted(shortest)]
+
+    def explorer(self, datasets: list[dict]) -> Finding:
+        """The checks on the explorer's data, which the notebook computes with ``sinkbook.book.explorer``."""
+        return self._finding("explorer", lambda: explorer_finding(datasets, len(self.explorer_prompts())))
+
+    # -- the results file
+    def sink_strength_extra(self) -> dict:
+        """What the predictor chapter reads: S and its companions per model."""
+        n = self.settings.n_prompts
+        return {spec: {"S": float(s["S"]), "strong_fraction": float(s["strong_fraction"]),
+                       "mean_G": float(s["mean_G"]), "window": int(s["window"]), "n_prompts": n,
+                       "chat": bool(s["chat"])} for spec, s in self.strength_summaries().items()}
+
+    def results(self) -> dict:
+        return dict(chapter=NAME, parameters=self.settings.as_dict(), claims=list(self.claims),
+                    models=[m.record() for m in self.loaded.values()],
+                    extra={"sink_strength": self.sink_strength_extra(),
+                           "seconds": round(time.perf_counter() - self._start, 1)})
