@@ -18,6 +18,7 @@ CHAPTERS = (
     Chapter("sink_criteria", "Which tokens are sinks, and how strong is the sink?"),
     Chapter("theorems", "The theorems, checked numerically"),
     Chapter("predictor", "Sink Strength as a predictor"),
+    Chapter("vl_adaptation", "Vision-language adaptation at small scale"),
     Chapter("outro", "OutRo: rotating head outputs toward the sink value"),
     Chapter("gradient_sinks", "Gradient sinks and V-scale"),
 )

@@ -158,7 +158,7 @@ def probe_batch(model, input_ids: torch.Tensor, sink_eps: float = SINK_EPS, sink
 
 
 def shows_sink_and_massive_activation(result: ProbeResult, sink_min: float = 0.5, ratio_min: float = 5.0) -> dict:
-    """The issue's test for a model worth studying: Sink^eps(0) >= 0.5 in the middle layers and a token-0
+    """The chapter's test for a model worth studying: Sink^eps(0) >= 0.5 in the middle layers and a token-0
     residual norm >= 5x the early-token mean (largest middle-layer ratio)."""
     mid = middle_layers(result.n_layers)
     sink = float(result.sink_rate[mid].mean())

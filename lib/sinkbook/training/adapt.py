@@ -148,8 +148,8 @@ def trainable_parameters(vlm: DigitVLM, stage: int) -> list:
 
 def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", device: str = "auto",
           use_cache: bool = True, progress: bool = True, accelerator=None, out: str | Path | None = None) -> AdaptedRun:
-    """Run (or load from the cache) one adaptation; ``probe(step, vlm, loaded, fmt) -> dict`` is called every
-    ``cfg.probe_every`` stage-2 steps and once before the first (its tag is part of the cache key)."""
+    """Run (or load from the cache) one adaptation; ``probe(step, vlm, loaded, fmt, modality) -> dict`` is called
+    every ``cfg.probe_every`` stage-2 steps and once before the first (its tag is part of the cache key)."""
     directory = Path(out) if out else run_dir(cfg, probe_tag)
     if use_cache and (directory / "run.json").exists():
         return load_run(directory, device)
@@ -174,7 +174,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     callbacks = []
     if probe is not None:
-        callbacks.append(Every(cfg.probe_every, lambda step, model: probe(step, vlm, loaded, fmt), "probe",
+        callbacks.append(Every(cfg.probe_every, lambda step, model: probe(step, vlm, loaded, fmt, cfg.modality), "probe",
                                at_start=True))
     result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, cfg.modality, 2, accelerator), cfg.steps,
                  warmup_cosine(cfg.lr, cfg.steps, warm(cfg.steps), min_lr_ratio=0.0), loss_fn=_vlm_loss,
