@@ -173,3 +173,34 @@ def test_bad_configurations_are_refused_with_a_reason():
         AdaptConfig("tiny-llama", steps=0)
     with pytest.raises(ValueError, match="modality"):
         AdaptConfig("tiny-llama", modality="audio")
+
+
+def test_command_line_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from sinkbook.book.cli import main
+    cases = [(["adapt", "nosuch-model", "--steps", "2", "--out", str(tmp_path / "a")], "unknown model"),
+             (["adapt", "tiny-llama", "--steps", "2", "--out", "/proc/no/such"], "cannot write to --out")]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("sinkbook: error:") and message in err and "\n" not in err
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(SystemExit):
+        main(["adapt", "tiny-llama", "--steps", "0", "--out", str(tmp_path / "b")])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "run.json").write_text("{}")
+    assert main(["adapt", "tiny-llama", "--steps", "2", "--out", str(tmp_path / "c")]) == 2
+    assert "already holds an adapted model" in capsys.readouterr().err
+
+
+def test_command_line_adapts_and_evaluates(tmp_path, capsys):
+    import json
+    from sinkbook.book.cli import main
+    out = tmp_path / "run"
+    assert main(["adapt", "tiny-llama", "--steps", "2", "--stage1-steps", "1", "--batch-size", "4",
+                 "--probe-items", "2", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {"S", "heldout_loss", "vision_accuracy"} <= set(summary["before"]) and summary["after"]["step"] == 2
+    assert main(["evaluate", str(out / "model"), "--arithmetic", "2", "--knowledge", "2", "--ifeval", "0",
+                 "--vision", "3", "--json"]) == 0
+    tasks = json.loads(capsys.readouterr().out)["tasks"]
+    assert {"arithmetic_strict", "knowledge_mc", "image_tasks"} <= set(tasks)
