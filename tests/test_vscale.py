@@ -115,3 +115,59 @@ def test_sdpa_and_eager_agree_with_vscale():
     model.set_attn_implementation("eager")
     b = model(ids).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_raw_value_norms_match_a_direct_computation():
+    """||W_V h~_t|| per value head, from the layer input through input_layernorm, before V-scale."""
+    from sinkbook.interventions.vscale import raw_value_norms
+    model = apply_vscale(_tiny_llama(kv=2))
+    with torch.no_grad():
+        for layer in model.model.layers:                       # a valve that visibly changes the values
+            layer.self_attn.v_proj.theta.fill_(2.0)
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(3))
+    got = raw_value_norms(model, ids)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        expected = []
+        for i, layer in enumerate(model.model.layers):
+            raw = layer.self_attn.v_proj.proj(layer.input_layernorm(hidden[i]))      # (B, T, Hkv * d)
+            expected.append(raw.view(3, 12, 2, 8).norm(dim=-1).mean(0).T)           # (Hkv, T)
+    assert got.shape == (2, 2, 12)
+    torch.testing.assert_close(got, torch.stack(expected).float(), rtol=1e-5, atol=1e-6)
+    after = torch.stack([layer.self_attn.v_proj(layer.input_layernorm(hidden[i])).view(3, 12, 2, 8)
+                         .norm(dim=-1).mean(0).T for i, layer in enumerate(model.model.layers)]).detach()
+    assert (got.double() > after.double()).all()              # V-scale shrinks every value state
+
+
+def test_raw_value_norms_refuse_a_model_without_vscale():
+    from sinkbook.interventions.vscale import raw_value_norms
+    with pytest.raises(ValueError, match="no V-scale"):
+        raw_value_norms(_tiny_llama(), torch.randint(0, 64, (1, 5)))
+
+
+def test_raw_value_gradients_follow_the_chain_rule_through_the_valve():
+    """grad wrt raw v = J^T grad wrt v_hat, J = phi I + 2C/(r+C)^2 v v^T (paper Prop. 8), summed over the batch."""
+    from sinkbook.core.hooks import capture, frozen
+    from sinkbook.interventions.vscale import raw_values
+    model = apply_vscale(_tiny_llama(kv=2))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.theta.copy_(torch.tensor([1.5, -0.5]))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with frozen(model), capture(model, points=("v_proj",), grads=("v_proj",)) as cap, raw_values(model) as raw:
+        embeddings = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        model(inputs_embeds=embeddings, labels=ids).loss.backward()
+    theta = model.model.layers[0].self_attn.v_proj.theta.detach()
+    g = cap.grad("v_proj", 0).double()                          # (B, T, Hkv, d), wrt v_hat
+    v = raw[0].detach().double().view(2, 12, 2, 8)
+    r = v.pow(2).sum(-1, keepdim=True)
+    c = (32 * 8 * SIGMA**2 * torch.exp(theta.double()))[:, None]
+    jg = r / (r + c) * g + 2 * c / (r + c) ** 2 * v * (v * g).sum(-1, keepdim=True)
+    expected = jg.sum(0).flatten(-2).norm(dim=-1)
+    got = raw.grad_norms()
+    assert got.shape == (2, 12)
+    torch.testing.assert_close(got[0].double(), expected, rtol=1e-4, atol=1e-9)
+    with raw_values(model) as no_backward:
+        with torch.no_grad():
+            model(ids)
+    with pytest.raises(ValueError, match="no gradient"):
+        no_backward.grad_norms()

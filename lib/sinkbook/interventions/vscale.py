@@ -14,6 +14,7 @@ or eager) is untouched. Families that normalise values after the projection are 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -96,22 +97,62 @@ def learned_theta(model: nn.Module) -> torch.Tensor:
     return torch.stack(thetas)
 
 
-@torch.no_grad()
-def raw_value_norms(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """(layers, value heads, T): ||v_t|| of the raw value states (before V-scale), mean over the batch."""
-    norms, handles = {}, []
+class RawValues(dict):
+    """{layer: raw value states (B, T, Hkv * d)} kept by ``raw_values`` during one forward pass."""
+
+    def __init__(self, n_heads: dict):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def _stacked(self, fn) -> torch.Tensor:
+        if not self:
+            raise ValueError("no raw value states were kept: the model has no V-scale layers, or it did not run")
+        return torch.stack([fn(self[i], self.n_heads[i]) for i in sorted(self)]).cpu()
+
+    def norms(self) -> torch.Tensor:
+        """(layers, value heads, T): ||v_t|| per value head, mean over the batch."""
+        return self._stacked(lambda v, n: v.detach().unflatten(-1, (n, -1)).float().norm(dim=-1).mean(0).T)
+
+    def grad_norms(self) -> torch.Tensor:
+        """(layers, T): token-wise norm of the batch-summed gradient wrt the raw value states (all heads), as
+        ``measures.gradprobes`` takes it on the value path; needs a backward pass inside the block."""
+        def norm(v, n):
+            if v.grad is None:
+                raise ValueError("the raw value states have no gradient: run the backward pass inside raw_values()")
+            return v.grad.float().sum(0).norm(dim=-1)
+        return self._stacked(norm)
+
+
+@contextlib.contextmanager
+def raw_values(model: nn.Module):
+    """Keep every V-scale layer's raw value states (the ``v_proj`` output before V-scale) of the forward pass run
+    inside the block; when they are part of an autograd graph their gradients are kept too (``retain_grad``).
+    The hook library's ``v_proj`` point is the value after V-scale; the paper's value path is the raw ``v``."""
+    kept = RawValues({})
+    handles = []
     for i, m in enumerate(vscale_layers(model)):
-        def keep(module, args, output, i=i, n=m.n_heads):
-            norms[i] = output.unflatten(-1, (n, -1)).float().norm(dim=-1).mean(0).T
+        kept.n_heads[i] = m.n_heads
+
+        def keep(module, args, output, i=i):
+            if output.requires_grad:
+                output.retain_grad()
+            kept[i] = output
         handles.append(m.proj.register_forward_hook(keep))
     try:
-        model(input_ids=input_ids.to(next(model.parameters()).device))
+        yield kept
     finally:
         for h in handles:
             h.remove()
-    if not norms:
+
+
+@torch.no_grad()
+def raw_value_norms(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """(layers, value heads, T): ||v_t|| of the raw value states (before V-scale), mean over the batch."""
+    if not has_vscale(model):
         raise ValueError("this model has no V-scale layers")
-    return torch.stack([norms[i] for i in sorted(norms)]).cpu()
+    with raw_values(model) as kept:
+        model(input_ids=input_ids.to(next(model.parameters()).device))
+    return kept.norms()
 
 
 def vscale_constant(d_model: int, d_head: int, theta: float = 0.0, sigma: float = SIGMA) -> float:

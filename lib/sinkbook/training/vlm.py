@@ -212,15 +212,19 @@ def generate_answers(vlm: DigitVLM, tokenizer, examples: list[Example], modality
     out = []
     llm = vlm.llm
     device = next(llm.parameters()).device
+    stop = [tokenizer.eos_token_id]
+    if not fmt.chat:       # a plain-format answer ends with a line break (PromptFormat.answer_text)
+        stop.append(tokenizer("\n", add_special_tokens=False)["input_ids"][-1])
     for start in range(0, len(examples), batch_size):
         batch = encode_examples(examples[start:start + batch_size], tokenizer, fmt, modality, answers=False,
                                 padding_side="left")
         embeds = vlm.embed(batch["input_ids"].to(device), batch["image_mask"].to(device),
                            batch.get("images"))
         new = llm.generate(inputs_embeds=embeds, attention_mask=batch["attention_mask"].to(device),
-                           max_new_tokens=max_new_tokens, do_sample=False,
+                           max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        out += tokenizer.batch_decode(new, skip_special_tokens=True)
+        texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+        out += [t if fmt.chat else t.split("\n", 1)[0] for t in texts]
     return out
 
 
