@@ -3,7 +3,8 @@ with plain SDPA, OutRo on SDPA, and eager attention, interleaved in one run; rat
 
     .venv/bin/python scripts/bench_outro.py --model smollm2-135m-instruct --prompt-tokens 256 --new-tokens 32
 
-Paper: 1.11x over flash attention (Qwen2.5-Omni 7B, GPU). Our target: <= 1.10x over SDPA on the CPU.
+Paper (Table 7): 1.11x over FlashAttention (Qwen2.5-Omni, GPU); the chapter's claim compares with that.
+Our own benchmark target, reported here and apart from the claim: <= 1.10x over SDPA on the CPU.
 """
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import sys
 import torch
 
 from sinkbook.core.models import ModelNotAvailable, load_model
-from sinkbook.interventions.outro import benchmark_decoding, overhead_ratios
-
-TARGET_RATIO = 1.10
+from sinkbook.chapters.outro import BENCHMARK_TARGET, PAPER_OVERHEAD, benchmark_settings
+from sinkbook.measures.decoding import benchmark_decoding, overhead_ratios
 
 
 def main(argv=None) -> int:
@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     except ModelNotAvailable as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = benchmark_decoding(loaded, args.prompt_tokens, args.new_tokens, args.repeats, args.batch_size,
-                              args.gamma)
+    rows = benchmark_decoding(loaded, benchmark_settings(loaded.model, args.gamma), args.prompt_tokens,
+                              args.new_tokens, args.repeats, args.batch_size)
     ratios = overhead_ratios(rows)
     print(f"{args.model} on {loaded.device}: prompt {args.prompt_tokens} tokens, {args.new_tokens} new, "
           f"batch {args.batch_size}, {args.repeats} repeats (medians)")
@@ -48,9 +48,13 @@ def main(argv=None) -> int:
     for name, v in ratios.items():
         print(f"{name:8} {1000 * v['decode_s_per_token']:9.1f} {v['latency_ratio']:6.3f} {v['prefill_s']:9.3f} "
               f"{v['peak_memory_mib']:9.1f} {v['memory_ratio']:9.2f}")
-    verdict = "meets" if ratios["outro"]["latency_ratio"] <= TARGET_RATIO else "misses"
-    print(f"OutRo {ratios['outro']['latency_ratio']:.3f}x plain SDPA per token: {verdict} the <= {TARGET_RATIO}x "
-          f"target (paper: 1.11x over flash attention on a GPU). Timings on a shared machine are noisy.")
+    ratio = ratios["outro"]["latency_ratio"]
+    verdict = "meets" if ratio <= BENCHMARK_TARGET else "misses"
+    print(f"OutRo {ratio:.3f}x plain SDPA per token: {verdict} our <= {BENCHMARK_TARGET}x target "
+          f"(paper: {PAPER_OVERHEAD}x over FlashAttention on a GPU). Timings on a shared machine are noisy.")
+    if ratios["outro"]["rotated_decode_rows"] == 0:
+        print("note: Phi_LLM found no sink in the benchmark prompt, so OutRo rotated nothing: only its hooks were "
+              "timed.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "ratios": ratios, "args": vars(args)}, f, indent=1)

@@ -7,8 +7,6 @@ import json
 import shutil
 import tempfile
 import time
-from pathlib import Path
-
 import pytest
 
 from sinkbook.chapters import chapter_names

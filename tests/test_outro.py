@@ -10,8 +10,7 @@ import torch
 
 from sinkbook.core.hooks import capture, hook_count
 from sinkbook.core.models import encode, load_model
-from sinkbook.interventions.outro import (OutRo, default_layers, detect_sinks, outro, pearson, persistent_sinks,
-                            rotate_toward)
+from sinkbook.interventions.outro import OutRo, default_layers, detect_sinks, outro, rotate_toward
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 PROMPTS = ["the quick brown fox jumps", "a sink"]
@@ -30,7 +29,7 @@ def llama():
 
 
 def direct_rotation(o: list[float], v: list[float], gamma: float, temperature: float = 0.1) -> list[float]:
-    """The formula of the shared notes written out with plain floats, one head, one row."""
+    """The formula of the methods page (book/methods.md) written out with plain floats, one head, one row."""
     dot = sum(a * b for a, b in zip(o, v))
     o_norm = math.sqrt(sum(a * a for a in o))
     v_sq = sum(b * b for b in v)
@@ -262,28 +261,10 @@ def test_default_layers_follow_the_paper():
     assert default_layers(3) == ([0], [0, 1, 2])
 
 
-def test_persistent_sinks_and_pearson():
-    found = {l: torch.tensor([[l < 2, True, l == 1, False]]) for l in range(6)}
-    assert persistent_sinks(found).tolist() == [[False, True, False, False]]
-    assert pearson(torch.tensor([1.0, 2, 3]), torch.tensor([2.0, 4, 6.5])) > 0.99
-    assert pearson(torch.tensor([1.0, 2, 3]), torch.tensor([3.0, 2, 1])) == pytest.approx(-1.0)
-
-
-def test_benchmark_reports_three_settings_with_ratios():
-    from sinkbook.interventions.outro import benchmark_decoding, overhead_ratios
-    lm = load_model("tiny-llama", device="cpu")
-    rows = benchmark_decoding(lm, prompt_tokens=12, new_tokens=3, repeats=1)
-    ratios = overhead_ratios(rows)
-    assert set(ratios) == {"sdpa", "outro", "eager"}
-    assert ratios["sdpa"]["latency_ratio"] == 1.0 and all(r["prefill_s"] > 0 for r in rows)
-    assert [r["setting"] for r in rows] == ["sdpa", "outro", "eager"]     # interleaved within the repeat
-    assert hook_count(lm.model) == 0 and lm.model.config._attn_implementation == "sdpa"
-
-
 # ---- grading with lm-eval's IFEval checkers ----------------------------------------------------------------
 
 def test_ifeval_grading_is_strict_and_never_counts_excluded_checkers():
-    ifeval = pytest.importorskip("sinkbook.ifeval")
+    from sinkbook.measures import ifeval
     records = [
         {"id": "a", "prompt": "Say hi. Do not use any commas.", "instruction_id_list": ["punctuation:no_comma"],
          "kwargs": [{}]},
@@ -300,4 +281,19 @@ def test_ifeval_grading_is_strict_and_never_counts_excluded_checkers():
         assert grades.rows[1]["excluded"] == ["change_case:english_lowercase"]
         assert "change_case:english_lowercase" in grades.excluded
     assert grades.prompt_level == 0.5
+    assert grades.prompt_passes == [True, False]
     assert ifeval.grade(records[:1], ["   "]).prompt_level == 0.0        # empty responses never pass
+
+
+def test_a_model_without_sinks_is_left_unchanged():
+    """Tiny random models have no massive activation: Phi_LLM finds nothing and OutRo is the identity."""
+    lm = load_model("tiny-qwen2", device="cpu")
+    batch = encode(lm.tokenizer, PROMPTS)
+    state = detect_sinks(lm.model, batch)
+    assert state.sinks and not any(s.any() for s in state.sinks.values())
+    with torch.no_grad():
+        plain = lm.model(**batch).logits
+        with outro(lm.model, gamma=3.0) as o:
+            same = lm.model(**batch).logits
+            lm.model.generate(**batch, max_new_tokens=2, do_sample=False)
+    assert torch.equal(plain, same) and not o.state.direction and o.state.rotated_decode_rows == 0

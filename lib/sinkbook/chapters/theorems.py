@@ -420,7 +420,7 @@ def gradient_theorem1_finding(noise: pd.DataFrame, tightness: pd.DataFrame | Non
         check("gs_t1_tight", "the upper bound is attained under equal pairwise covariance (exact / upper)",
               equal_ratio, ATTAINED, expected=1.0, source=source),
     ]
-    notes = [f"Exact / upper bound: " + ", ".join(f"{r.exact_over_upper:.3f} under {r.noise} noise"
+    notes = ["Exact / upper bound: " + ", ".join(f"{r.exact_over_upper:.3f} under {r.noise} noise"
                                                   for r in noise.itertuples()) + "."]
     table = noise.set_index("noise")[["M", "S", "lower", "mc_mean", "mc_se", "exact", "upper", "z"]].T
     figures = []

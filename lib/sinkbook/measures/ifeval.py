@@ -1,6 +1,6 @@
 """Grade responses to IFEval-style prompts with lm-eval's own instruction checkers (strict mode).
 
-Prompt records come from ``sinkbook.prompts`` ({id, prompt, instruction_id_list, kwargs}). Grading follows
+Prompt records come from ``sinkbook.core.prompts`` ({id, prompt, instruction_id_list, kwargs}). Grading follows
 lm-eval's ``test_instruction_following_strict``: build the checker from the record's kwargs (None values
 dropped; the prompt itself for checkers that take it), and a response follows an instruction when it is
 non-empty after stripping and the checker accepts it.
@@ -99,6 +99,12 @@ class Grades:
     @property
     def graded(self) -> list:
         return [r for r in self.rows if r["followed"]]
+
+    @property
+    def prompt_passes(self) -> list:
+        """Per prompt, in order: True / False (all its graded instructions followed or not), None when every
+        instruction of the prompt was excluded (not graded). What a paired test of two settings pairs."""
+        return [r["all_followed"] if r["followed"] else None for r in self.rows]
 
     @property
     def prompt_level(self) -> float:

