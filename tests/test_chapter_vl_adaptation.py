@@ -22,6 +22,7 @@ def _task(task, kind, items, chance=0.0):
 
 def _tasks(ifeval, arithmetic, knowledge):
     return {"ifeval": _task("ifeval", "format", ifeval), "arithmetic_strict": _task("arithmetic_strict", "format", arithmetic),
+            "arithmetic_flexible": _task("arithmetic_flexible", "format", arithmetic),
             "knowledge_mc": _task("knowledge_mc", "knowledge", knowledge, chance=0.25)}
 
 

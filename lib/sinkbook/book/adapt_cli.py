@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def cmd_adapt(args) -> int:
         raise
     probe = AdaptationProbe(reference, arithmetic=args.probe_items, vision=args.probe_items, heldout_windows=2)
     run = adapt(cfg, probe=probe, device=args.device, use_cache=False, progress=not args.json, out=out)
+    if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, one process reports
+        return 0
     before, after = run.probes[0], run.probes[-1]
     summary = {"config": cfg.record(), "before": before, "after": after, "train_seconds": run.seconds,
                "directory": str(out / "model")}
