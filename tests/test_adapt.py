@@ -129,7 +129,7 @@ def test_training_changes_only_the_trainable_parts_and_round_trips(tmp_path):
     assert all(torch.equal(after[f"encoder.{k}"], v) for k, v in encoder.items())
     changed = [k for k, v in before_llm.items() if not torch.equal(after[f"llm.{k}"], v)]
     assert any("q_proj" in k for k in changed) and "model.embed_tokens.weight" not in changed
-    assert [h["stage"] for h in run.history] == [1, 1, 2, 2, 2]
+    assert [h["stage"] for h in run.history] == [0, 1, 1, 2, 2, 2]
     # the saved directory is a plain causal LM for load_model (text-only backbone) and a VLM for load_vlm
     reloaded = load_model(str(tmp_path / "run" / "model"), device="cpu")
     ids = torch.tensor([[256, 72, 105]])
@@ -204,3 +204,12 @@ def test_command_line_adapts_and_evaluates(tmp_path, capsys):
                  "--vision", "3", "--json"]) == 0
     tasks = json.loads(capsys.readouterr().out)["tasks"]
     assert {"arithmetic_strict", "knowledge_mc", "image_tasks"} <= set(tasks)
+
+
+def test_stage_zero_aligns_the_projector_without_touching_the_language_model(tiny_vlm):
+    from sinkbook.training.adapt import align_projector
+    vlm, loaded = tiny_vlm
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    losses = align_projector(vlm, loaded.tokenizer, steps=60, seed=0)
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(torch.equal(before[k], v) for k, v in loaded.model.state_dict().items())

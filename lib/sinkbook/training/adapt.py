@@ -1,6 +1,10 @@
 """Vision-language adaptation of a pretrained language model on the digit tasks, in the paper's two stages.
 
 Recipe (the shape of the VL paper's App. F.3 recipe, scaled to a CPU):
+- stage 0 (ours) fits the projector alone, without the language model, so that the mean of an image's projected
+  patches lands on the input embedding of its digit's word. Real encoders (CLIP, SigLIP) arrive aligned with text
+  from their own pretraining; our small digit encoder does not, and a CPU-sized stage 1 is too short to learn the
+  alignment through the language model. The language model is untouched, and the stage costs seconds;
 - stage 1 trains the projector only (vision runs): the language model and the encoder are frozen, so the
   model learns to read the image without its text side moving;
 - stage 2 trains the projector and the language model together; the vision encoder stays frozen (a pretrained
@@ -50,6 +54,7 @@ class AdaptConfig:
     lr: float = 1e-4                 # stage 2 peak learning rate
     stage1_steps: int = 30           # projector-only steps (vision runs)
     stage1_lr: float = 1e-3
+    align_steps: int = 300           # stage 0: projector fitted to the digit words' embeddings (0 skips it)
     batch_size: int = 8
     warmup_ratio: float = 0.1
     clip: float = 1.0
@@ -63,8 +68,9 @@ class AdaptConfig:
         for name in ("steps", "batch_size", "probe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.stage1_steps < 0:
-            raise ValueError(f"stage1_steps must be >= 0, got {self.stage1_steps}")
+        for name in ("stage1_steps", "align_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and self.stage1_lr > 0):
             raise ValueError(f"learning rates must be > 0, got lr={self.lr}, stage1_lr={self.stage1_lr}")
         object.__setattr__(self, "tasks", tuple(self.tasks))
@@ -131,6 +137,31 @@ def _batch_maker(cfg: AdaptConfig, tokenizer, fmt: PromptFormat, modality: str, 
     return batch_at
 
 
+def align_projector(vlm: DigitVLM, tokenizer, steps: int, seed: int, lr: float = 3e-3, batch_size: int = 64) -> list:
+    """Stage 0: fit the projector so that the mean of an image's projected patches is the input embedding of its
+    digit's word (e.g. "seven"); the language model is only read. Returns the loss per step (relative MSE)."""
+    from .digits import WORDS
+    train, _ = load_digit_splits()
+    table = vlm.llm.get_input_embeddings()
+    with torch.no_grad():
+        words = torch.stack([table(torch.tensor(tokenizer(w, add_special_tokens=False)["input_ids"][:1],
+                                                device=table.weight.device))[0] for w in WORDS]).float()
+        patches = vlm.encoder.patches(train.images.to(words.device))
+    scale = words.pow(2).sum(-1).mean()
+    optimizer = torch.optim.Adam(vlm.projector.parameters(), lr=lr)
+    order = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(train), (batch_size,), generator=order)
+        predicted = vlm.projector(patches[idx]).mean(1)
+        loss = (predicted - words[train.labels[idx]]).pow(2).sum(-1).mean() / scale
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def _vlm_loss(model, batch):
     return model(**batch)
 
@@ -162,6 +193,10 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     vlm = build_vlm(loaded, vision_encoder(str(accelerator.device)), seed=cfg.seed)
     history, probes, start = [], [], time.perf_counter()
     warm = lambda steps: max(1, round(cfg.warmup_ratio * steps))
+    if cfg.modality == "vision" and cfg.align_steps:
+        aligned = align_projector(vlm, loaded.tokenizer, cfg.align_steps, cfg.seed)
+        history.append({"stage": 0, "step": cfg.align_steps - 1, "loss": aligned[-1], "lr": 3e-3,
+                        "grad_norm": None, "seconds": time.perf_counter() - start})
     if cfg.modality == "vision" and cfg.stage1_steps:
         params = trainable_parameters(vlm, 1)
         optimizer = torch.optim.AdamW(params, lr=cfg.stage1_lr, weight_decay=0.0)

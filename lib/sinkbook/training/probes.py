@@ -48,20 +48,20 @@ def vision_scores(vlm, tokenizer, examples, fmt, max_new_tokens: int = 12) -> di
             "examples": [(e.question, e.answer, r) for e, r in list(zip(examples, responses))[:6]]}
 
 
-def held_out_vision_examples(n: int, seed: int = VISION_SEED):
+def held_out_vision_examples(n: int, seed: int = VISION_SEED, tasks=TASKS):
     _, held_out = load_digit_splits()
-    return make_examples(held_out, n, seed=seed)
+    return make_examples(held_out, n, seed=seed, tasks=tasks)
 
 
 class AdaptationProbe:
     def __init__(self, reference: LoadedModel, window: int = 10, arithmetic: int = 24, vision: int = 20,
-                 heldout_windows: int = 4, heldout_length: int = 128, seed: int = 0):
+                 heldout_windows: int = 4, heldout_length: int = 128, seed: int = 0, tasks=TASKS):
         self.batch = encode(reference.tokenizer, prompt_texts(), device="cpu")
         self.layers = window_layers(reference.model, window)
         self.reference_logits = sink_state(reference.model, _on(self.batch, reference.device), self.layers)[1]
         self.windows = heldout_text_windows(reference.tokenizer, heldout_windows, heldout_length)[0]
         self.arithmetic = arithmetic_items(arithmetic, seed) if arithmetic else []
-        self.vision = held_out_vision_examples(vision) if vision else []
+        self.vision = held_out_vision_examples(vision, tasks=tasks) if vision else []
 
     def __call__(self, step: int, vlm, loaded: LoadedModel, fmt, modality: str = "vision") -> dict:
         start = time.perf_counter()
