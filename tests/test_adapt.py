@@ -158,7 +158,10 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
     assert runs[1]["processes"] == 2
     for h1, h2 in zip(runs[0]["history"], runs[1]["history"]):        # the global loss and gradient, step by step
         assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-5)
-        assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
+        if h1["stage"] == 0:                                           # projector alignment: no clipped step
+            assert h2["grad_norm"] is None and h1["grad_norm"] is None
+        else:
+            assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
     # Weights: AdamW divides by the root of tiny second moments, so float32 rounding between one and two
     # processes moves a few near-zero-gradient parameters by a few percent of a step; bound it by that.
     a, b = _state(tmp_path / "one" / "model"), _state(tmp_path / "two" / "model")

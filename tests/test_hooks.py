@@ -225,6 +225,7 @@ def test_gradients_of_captured_points_match_autograd(tiny, ids):
     model = tiny.model
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     grads = ("resid_pre", "attn_in", "q_proj", "resid_mid", "mlp_in", "resid_post")
+    hooks_before = hook_count(model)     # transformers keeps its own output-recording hooks once asked for attentions
     with frozen(model), capture(model, points=("pattern",), grads=grads) as cap:
         out = model(inputs_embeds=embeds, labels=ids)
         out.loss.backward()
@@ -243,7 +244,7 @@ def test_gradients_of_captured_points_match_autograd(tiny, ids):
     assert cap.grad("resid_post", last).abs().sum() > 0
     with pytest.raises(ValueError, match="not captured with gradients"):
         cap.grad("pattern", 0)
-    assert hook_count(model) == 0
+    assert hook_count(model) == hooks_before
 
 
 def test_pattern_cannot_carry_a_gradient(tiny):
@@ -256,11 +257,12 @@ def test_gradient_probe_runs_on_every_family(tiny, ids):
     from sinkbook.measures.gradprobes import probe_batch
     model = tiny.model
     batch = torch.cat([torch.full((2, 1), tiny.tokenizer.bos_token_id), ids, ids], dim=1)   # 41 tokens, BOS first
+    hooks_before = hook_count(model)
     r = probe_batch(model, batch)
     L = model.config.num_hidden_layers
     assert r.grad_h_tilde.shape == (L, batch.shape[1]) and np.isfinite(r.r_gs()).all()
     assert (r.grad_q[:, 0] <= 1e-5 * r.grad_q[:, 1:].max()).all()
     assert all(p.grad is None and p.requires_grad for p in model.parameters())
-    assert hook_count(model) == 0
+    assert hook_count(model) == hooks_before
     for ratios in (r.attn_ratios, r.mlp_ratios):
         assert all(np.isfinite(v).all() and (v > 0).all() for v in ratios.values())

@@ -224,7 +224,8 @@ def _first_tensor(args, kwargs, name="hidden_states"):
 
 
 def hook_count(model) -> int:
-    """Forward hooks and attention listeners currently attached anywhere in the model (tests use it)."""
+    """Forward hooks and attention listeners currently attached anywhere in the model (tests use it; compare
+    counts before and after, since transformers keeps output-recording hooks of its own once attentions are asked for)."""
     n = 0
     for module in model.modules():
         n += len(module._forward_hooks) + len(module._forward_pre_hooks)
