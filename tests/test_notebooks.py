@@ -13,6 +13,7 @@ from sinkbook.core.paths import REPO_ROOT
 
 RUNS = {
     "outro": {"models": ["tiny-qwen2"]},
+    "outro_multimodal": {"models": ["tiny-qwen2"]},
     "gradient_sinks": {"real_models": ["tiny-olmo2"]},
     "sink_criteria": {"models": ["tiny-gemma3"]},
 }

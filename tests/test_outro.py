@@ -297,3 +297,129 @@ def test_a_model_without_sinks_is_left_unchanged():
             same = lm.model(**batch).logits
             lm.model.generate(**batch, max_new_tokens=2, do_sample=False)
     assert torch.equal(plain, same) and not o.state.direction and o.state.rotated_decode_rows == 0
+
+
+# ---- image tokens: OutRo on a small vision-language model (inputs_embeds) ----------------------------------
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_vlm(request, tmp_path_factory):
+    """A tiny adapted vision-language model (two training steps): a real save/load round trip."""
+    from sinkbook.training.adapt import AdaptConfig, adapt
+    from sinkbook.training.vlm import load_vlm
+    out = tmp_path_factory.mktemp(f"vlm-{request.param}")
+    adapt(AdaptConfig(f"tiny-{request.param}", steps=2, stage1_steps=1, batch_size=4), out=out, use_cache=False,
+          progress=False)
+    return load_vlm(out / "model", device="cpu")
+
+
+def _image_batch(vlm, loaded, fmt, n=3):
+    """Left-padded prompts with 4, 8 and 12 image tokens (different lengths, so padding is exercised)."""
+    from sinkbook.training.digits import load_digit_splits, question_and_answer, Example
+    from sinkbook.training.vlm import encode_examples
+    _, held_out = load_digit_splits()
+    examples = []
+    for i, k in enumerate([1, 2, 3][:n]):
+        digits = tuple(int(held_out.labels[j]) for j in range(i, i + k))
+        task = "row" if k > 1 else "identify"
+        q, a = question_and_answer(task, digits)
+        examples.append(Example(task, digits, held_out.images[i:i + k], q, a))
+    batch = encode_examples(examples, loaded.tokenizer, fmt, "vision", answers=False, padding_side="left")
+    with torch.no_grad():
+        embeds = vlm.embed(batch["input_ids"], batch["image_mask"], batch["images"])
+    return batch, embeds
+
+
+def first_real_and_first_image(first_image: torch.Tensor):
+    """A detector for tests: the first real token and the first image token of each sequence are sinks."""
+    def detector(hidden, padding):
+        found = torch.zeros(hidden.shape[:2], dtype=torch.bool)
+        rows = torch.arange(len(found))
+        found[rows, padding.float().argmax(1)] = True
+        found[rows, first_image] = True
+        return found & padding.bool()
+    return detector
+
+
+def test_outro_on_image_tokens_cached_decoding_equals_one_full_pass(tiny_vlm):
+    """Prefill + cached decode steps under OutRo (rotation and relaxation, image-token sinks included) give the
+    logits of one pass over prompt + generated tokens under OutRo with ``prompt_length``."""
+    vlm, loaded, fmt = tiny_vlm
+    model = vlm.llm
+    batch, embeds = _image_batch(vlm, loaded, fmt)
+    first_image = batch["image_mask"].float().argmax(1)
+    mask, T, n_new = batch["attention_mask"], embeds.shape[1], 5
+    options = dict(gamma=3.0, relax=True, relax_layers=[0, 1], detector=first_real_and_first_image(first_image))
+    with torch.no_grad():
+        plain = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=n_new,
+                               min_new_tokens=n_new, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        with outro(model, **options) as o:
+            out = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=n_new,
+                                 min_new_tokens=n_new, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        assert o.state.decode_steps == n_new - 1 and o.state.relaxed and o.state.direction
+        assert all(set(r) == {f.item(), i.item()} for r, f, i in
+                   zip(o.state.relaxed[0], mask.float().argmax(1), first_image)), "both sinks relaxed once"
+        generated = out.sequences[:, -n_new:]
+        full = torch.cat([embeds, model.get_input_embeddings()(generated)], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(generated)], dim=1)
+        with outro(model, prompt_length=T, **options) as whole:
+            logits = model(inputs_embeds=full, attention_mask=full_mask).logits
+        with outro(model, **options):        # without prompt_length the relaxed rows would see the answer
+            leaky = model(inputs_embeds=full, attention_mask=full_mask).logits
+    cached = torch.stack(out.logits, dim=1)
+    torch.testing.assert_close(cached, logits[:, T - 1:-1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(cached, leaky[:, T - 1:-1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(torch.stack(plain.logits, 1), cached), "OutRo should change the logits"
+    assert not whole.state.sinks[0][:, T:].any(), "generated tokens are never sinks"
+
+
+@pytest.mark.parametrize("direction", ["head_mean", "random_token"])
+def test_direction_controls_on_image_tokens_also_match_one_full_pass(tiny_vlm, direction):
+    """The controls read the prompt only (the head mean over its keys, the random token among its positions)."""
+    vlm, loaded, fmt = tiny_vlm
+    model = vlm.llm
+    batch, embeds = _image_batch(vlm, loaded, fmt)
+    mask, T, n_new = batch["attention_mask"], embeds.shape[1], 4
+    options = dict(gamma=3.0, relax=False, direction=direction, seed=1,
+                   detector=first_real_and_first_image(batch["image_mask"].float().argmax(1)))
+    with torch.no_grad():
+        with outro(model, **options) as o:
+            out = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=n_new,
+                                 min_new_tokens=n_new, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        generated = out.sequences[:, -n_new:]
+        full = torch.cat([embeds, model.get_input_embeddings()(generated)], dim=1)
+        full_mask = torch.cat([mask, torch.ones_like(generated)], dim=1)
+        with outro(model, prompt_length=T, **options) as whole:
+            logits = model(inputs_embeds=full, attention_mask=full_mask).logits
+    torch.testing.assert_close(torch.stack(out.logits, dim=1), logits[:, T - 1:-1], rtol=1e-4, atol=1e-4)
+    if direction == "random_token":
+        assert torch.equal(whole.state.random_position, o.state.random_position)
+
+
+def test_phi_llm_finds_a_massive_image_token(tiny_vlm):
+    """A massive activation planted in one projected image token: Phi_LLM flags that position (and only
+    it), and the rotation direction is that token's value."""
+    vlm, loaded, fmt = tiny_vlm
+    batch, embeds = _image_batch(vlm, loaded, fmt, n=2)
+    position = batch["image_mask"].float().argmax(1) + 2                       # the third image token
+    planted = embeds.clone()
+    planted[torch.arange(2), position, 3] = 5000.0
+    inputs = {"inputs_embeds": planted, "attention_mask": batch["attention_mask"]}
+    state = detect_sinks(vlm.llm, inputs)
+    for b in range(2):
+        assert torch.nonzero(state.sinks[0][b]).flatten().tolist() == [position[b].item()]
+    with torch.no_grad(), capture(vlm.llm, points=("v",), layers=[0]) as cap, \
+            outro(vlm.llm, gamma=1.0, relax=False) as o:
+        vlm.llm(**inputs)
+    v = cap["v", 0]
+    groups = o.state.direction[0].shape[1] // v.shape[1]
+    want = v[torch.arange(2), :, position].repeat_interleave(groups, dim=1)
+    torch.testing.assert_close(o.state.direction[0], want)
+
+
+def test_prompt_length_must_be_positive(llama):
+    model, _ = llama
+    with pytest.raises(ValueError, match="prompt_length"):
+        OutRo(model, prompt_length=0)

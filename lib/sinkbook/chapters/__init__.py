@@ -20,6 +20,7 @@ CHAPTERS = (
     Chapter("predictor", "Sink Strength as a predictor"),
     Chapter("vl_adaptation", "Vision-language adaptation at small scale"),
     Chapter("outro", "OutRo: rotating head outputs toward the sink value"),
+    Chapter("outro_multimodal", "OutRo on small vision-language models"),
     Chapter("gradient_sinks", "Gradient sinks and V-scale"),
 )
 

@@ -19,6 +19,13 @@ Generation with a KV cache: a forward pass with more than one new token is a pre
 direction stored per layer, state reset); a pass with one token is a decode step, which rotates the new
 token's head outputs with the stored direction. Decode tokens are never sinks.
 
+Scoring a finished generation in one pass: ``prompt_length=P`` treats the first P positions of a longer
+sequence as the prompt and the rest as decode tokens, so one forward pass over prompt + generated tokens gives
+what the prefill and the cached decode steps gave: sinks are detected on the prompt only (the Phi_LLM median
+too), relaxed rows and the head-mean control read the prompt's keys only, and the random-token control draws
+from the prompt. Image tokens need nothing special: they are positions of the prompt like any other (the
+model is called with ``inputs_embeds``), and padding, pruned positions included, comes from the attention mask.
+
 Direction controls (OutRo paper, Table B.9): ``direction="random_token"`` uses the value of one random
 non-padding token per sequence (drawn once per prefill from a seeded generator; never the first real token,
 where Phi_LLM sinks sit in our models), ``direction="head_mean"`` the mean value over all prompt tokens.
@@ -96,7 +103,7 @@ class OutRoState:
     gate_mean: dict = field(default_factory=dict)    # layer -> (B, H) mean gate over rotated prefill rows
     padding: torch.Tensor | None = None              # (B, T) 1 = real token, from the model call
     random_position: torch.Tensor | None = None      # (B,) the token used by direction="random_token"
-    prompt_length: int = 0
+    prompt_length: int = 0                           # positions of the prefill treated as the prompt
     decode_steps: int = 0
     rotated_decode_rows: int = 0
 
@@ -109,7 +116,8 @@ class OutRo:
     the defaults (0..L-3 and multiples of max(1, L // 7)); ``sink_positions`` replaces Phi_LLM detection by
     fixed positions (indices into the padded prompt, sinks at every layer) so tests can use random models,
     which have no massive activations; ``detector(hidden, padding) -> bool (B, T)`` replaces Phi_LLM by any
-    other criterion; ``seed`` drives the random-token control.
+    other criterion; ``seed`` drives the random-token control; ``prompt_length`` scores prompt + generated
+    tokens in one pass as the prefill of the first ``prompt_length`` positions followed by cached decoding.
     """
 
     def __init__(self, model, gamma: float = 1.0, rotate: bool = True, relax: bool = True,
@@ -117,7 +125,7 @@ class OutRo:
                  rotate_layers: Sequence[int] | None = None, relax_layers: Sequence[int] | None = None,
                  sink_positions: Sequence[int] | None = None,
                  detector: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, prompt_length: int | None = None):
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
         if not (isinstance(gamma, (int, float)) and math.isfinite(gamma) and gamma >= 0):
@@ -126,6 +134,9 @@ class OutRo:
             raise ValueError(f"temperature must be > 0, got {temperature!r}")
         if sink_positions is not None and detector is not None:
             raise ValueError("give either sink_positions or detector, not both")
+        if prompt_length is not None and (not isinstance(prompt_length, int) or prompt_length < 1):
+            raise ValueError(f"prompt_length must be a positive number of positions, got {prompt_length!r}")
+        self.prompt_length = prompt_length
         self.model = model
         self.gamma, self.rotate, self.relax = float(gamma), bool(rotate), bool(relax)
         self.temperature, self.direction_kind, self.seed = float(temperature), direction, seed
@@ -188,13 +199,18 @@ class OutRo:
         if layer == 0:
             self._start_prefill(hidden)
         padding = self.state.padding
+        P = self.state.prompt_length
         if self.sink_positions is not None:
             found = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
             found[:, self.sink_positions] = True
             if padding is not None:
                 found &= padding.bool()
+        elif P < T:         # decode tokens are never sinks, and the criterion sees only the prompt
+            found = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
+            found[:, :P] = self.detector(hidden[:, :P], None if padding is None else padding[:, :P]).to(hidden.device)
         else:
             found = self.detector(hidden, padding).to(hidden.device)
+        found[:, P:] = False
         self.state.found[layer] = found
         previous = self.state.sinks.get(layer - 1)
         self.state.sinks[layer] = found if previous is None else (previous | found)
@@ -204,11 +220,13 @@ class OutRo:
         B, T = hidden.shape[:2]
         padding = getattr(self, "_call_padding", None)
         padding = padding[:, -T:].to(hidden.device) if padding is not None else None
-        self.state = OutRoState(padding=padding, prompt_length=T)
+        P = T if self.prompt_length is None else min(T, self.prompt_length)
+        self.state = OutRoState(padding=padding, prompt_length=P)
         self._relaxed_so_far = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
         if self.direction_kind == "random_token":
             generator = torch.Generator().manual_seed(self.seed)
-            valid = padding.bool().cpu() if padding is not None else torch.ones(B, T, dtype=torch.bool)
+            valid = padding.bool().cpu().clone() if padding is not None else torch.ones(B, T, dtype=torch.bool)
+            valid[:, P:] = False
             picks = []
             for b in range(B):
                 candidates = torch.nonzero(valid[b]).flatten()[1:]    # never the first real token
@@ -236,6 +254,11 @@ class OutRo:
         if padding is not None:
             key_valid = torch.cat([torch.ones(B, offset, dtype=torch.bool, device=padding.device),
                                    padding.bool()], dim=1)
+        if self.state.prompt_length < T:      # what follows the prompt stands for decode tokens: unseen
+            if key_valid is None:
+                key_valid = torch.ones(B, S, dtype=torch.bool, device=out.device)
+            key_valid = key_valid.clone()
+            key_valid[:, offset + self.state.prompt_length:] = False
         new = out
         if self.relax and layer in self.relax_layers:
             todo = sinks & ~self._relaxed_so_far
