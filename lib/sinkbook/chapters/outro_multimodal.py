@@ -208,9 +208,12 @@ class _Measure:
         self.stop = [self.tok.eos_token_id]
         if not fmt.chat:          # a plain-format answer ends with a line break (training.vlm.PromptFormat)
             self.stop.append(self.tok("\n", add_special_tokens=False)["input_ids"][-1])
-        self.test = self._prepare(held_out_vision_examples(s.n_test))
-        self.val = self._prepare(held_out_vision_examples(s.n_val, seed=VALIDATION_SEED))
-        self.analysis = self._prepare(held_out_vision_examples(s.n_test)[:s.analysis_items])
+        # the question kinds the run was trained on, so the test questions are the adaptation chapter's own
+        tasks = tuple(getattr(s, "tasks", None) or ()) or None
+        kinds = {} if tasks is None else {"tasks": tasks}
+        self.test = self._prepare(held_out_vision_examples(s.n_test, **kinds))
+        self.val = self._prepare(held_out_vision_examples(s.n_val, seed=VALIDATION_SEED, **kinds))
+        self.analysis = self._prepare(held_out_vision_examples(s.n_test, **kinds)[:s.analysis_items])
         self.seconds: dict[str, float] = {}
 
     # -- batches --
@@ -1057,6 +1060,7 @@ class OutRoMultimodal:
             self.timings["adaptation runs"] = time.perf_counter() - start
             start = time.perf_counter()
             settings = {k: v for k, v in self.settings.values.items() if k != "adaptation"}
+            settings["tasks"] = list(self.vl.tasks)
             ours = [{"spec": spec, "directory": runs[spec], "device": device, "settings": settings}
                     for spec in self.settings.models]
             results = measure_models(ours, self.settings.workers if device == "cpu" else 1)
