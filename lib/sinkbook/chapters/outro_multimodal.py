@@ -1132,7 +1132,7 @@ def benchmark_vlm_decoding(vlm, loaded, fmt, settings: dict, new_tokens: int = 3
     question about a row of ``digits`` digit images (4 image tokens each), given as ``inputs_embeds``; every
     setting (``{name: factory of a context manager}``, the first the reference) runs interleaved in each repeat.
     One row per (setting, repeat), with the decode-step latency per token, the prefill time and peak memory."""
-    from ..measures.decoding import PeakMemory
+    from ..measures.decoding import time_settings
     from ..training.digits import load_digit_splits, make_examples
     from ..training.vlm import encode_examples
     if new_tokens < 2:
@@ -1146,29 +1146,7 @@ def benchmark_vlm_decoding(vlm, loaded, fmt, settings: dict, new_tokens: int = 3
     mask = batch["attention_mask"].to(device)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else loaded.tokenizer.eos_token_id
 
-    def run(n):
-        start = time.perf_counter()
-        vlm.llm.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, pad_token_id=pad)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    rows = []
-    with torch.no_grad():
-        for make in settings.values():          # warm-up: first calls allocate and compile paths
-            with make():
-                run(2)
-        for repeat in range(repeats):
-            for name, make in settings.items():
-                with make() as active:
-                    prefill = run(1)
-                    with PeakMemory(device) as memory:
-                        total = run(new_tokens)
-                rows.append({"setting": name, "repeat": repeat, "prefill_s": prefill,
-                             "decode_s_per_token": (total - prefill) / (new_tokens - 1),
-                             "peak_memory_mib": memory.peak_bytes / 2**20, "prompt_tokens": int(embeds.shape[1]),
-                             "image_tokens": int(batch["image_mask"].sum(1).max()), "new_tokens": new_tokens,
-                             "batch_size": batch_size, "device": device,
-                             "rotated_decode_rows": getattr(getattr(active, "state", None), "rotated_decode_rows", 0)})
-    return rows
+    inputs = {"inputs_embeds": embeds, "attention_mask": mask}
+    return time_settings(vlm.llm, inputs, settings, new_tokens, repeats, pad, device,
+                         {"prompt_tokens": int(embeds.shape[1]), "image_tokens": int(batch["image_mask"].sum(1).max()),
+                          "batch_size": batch_size})

@@ -66,9 +66,17 @@ def benchmark_decoding(loaded, settings: dict, prompt_tokens: int = 256, new_tok
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     pad = getattr(loaded.tokenizer, "pad_token_id", None) or 0
 
+    return time_settings(model, batch, settings, new_tokens, repeats, pad, device,
+                         {"prompt_tokens": prompt_tokens, "batch_size": batch_size})
+
+
+def time_settings(model, inputs: dict, settings: dict, new_tokens: int, repeats: int, pad: int, device: str,
+                  extra: dict) -> list[dict]:
+    """Greedy generation from ``inputs`` (``input_ids`` or ``inputs_embeds``, with ``attention_mask``) under each
+    setting, interleaved in every repeat after one warm-up each; one row per (setting, repeat) plus ``extra``."""
     def run(n):
         start = time.perf_counter()
-        model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
+        model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -86,8 +94,8 @@ def benchmark_decoding(loaded, settings: dict, prompt_tokens: int = 256, new_tok
                         total = run(new_tokens)
                 rows.append({"setting": name, "repeat": repeat, "prefill_s": prefill,
                              "decode_s_per_token": (total - prefill) / (new_tokens - 1),
-                             "peak_memory_mib": memory.peak_bytes / 2**20, "prompt_tokens": prompt_tokens,
-                             "new_tokens": new_tokens, "batch_size": batch_size, "device": device,
+                             "peak_memory_mib": memory.peak_bytes / 2**20, **extra, "new_tokens": new_tokens,
+                             "device": device,
                              "rotated_decode_rows": getattr(getattr(active, "state", None),
                                                             "rotated_decode_rows", 0)})
     return rows
