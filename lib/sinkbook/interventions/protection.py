@@ -334,6 +334,19 @@ def _project_right(delta: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return delta - (delta @ basis) @ basis.T
 
 
+def _project_rows(delta_w: torch.Tensor, delta_b: torch.Tensor | None, rows, project):
+    """Apply ``project`` to the chosen rows of [dW | db] (the bias as a last column); other rows pass unchanged."""
+    stacked = delta_w[rows] if delta_b is None else torch.cat([delta_w[rows], delta_b[rows, None]], dim=1)
+    projected = project(stacked)
+    w = delta_w.clone()
+    w[rows] = projected[:, :delta_w.shape[1]]
+    if delta_b is None:
+        return w, None
+    b = delta_b.clone()
+    b[rows] = projected[:, -1]
+    return w, b
+
+
 @dataclass
 class SinkProtection:
     """Frozen layers below the first sink layer + projected sink-head W_q / W_k updates (module docstring)."""
@@ -388,30 +401,14 @@ class SinkProtection:
         dirs = self.directions[layer]
         rows = dirs.q_rows.to(delta_w.device)
         basis = dirs.q_basis.to(delta_w.device, delta_w.dtype)
-        w = delta_w.clone()
-        stacked = delta_w[rows] if delta_b is None else torch.cat([delta_w[rows], delta_b[rows, None]], dim=1)
-        projected = _project_left(stacked, basis)
-        w[rows] = projected[:, :delta_w.shape[1]]
-        if delta_b is None:
-            return w, None
-        b = delta_b.clone()
-        b[rows] = projected[:, -1]
-        return w, b
+        return _project_rows(delta_w, delta_b, rows, lambda m: _project_left(m, basis))
 
     def project_k(self, layer: int, delta_w: torch.Tensor, delta_b: torch.Tensor | None = None):
         """delta [W | b] (I - u u^T) on the protected rows of a k_proj update."""
         dirs = self.directions[layer]
         rows = dirs.k_rows.to(delta_w.device)
         basis = dirs.k_basis.to(delta_w.device, delta_w.dtype)
-        stacked = delta_w[rows] if delta_b is None else torch.cat([delta_w[rows], delta_b[rows, None]], dim=1)
-        projected = _project_right(stacked, basis)
-        w = delta_w.clone()
-        w[rows] = projected[:, :delta_w.shape[1]]
-        if delta_b is None:
-            return w, None
-        b = delta_b.clone()
-        b[rows] = projected[:, -1]
-        return w, b
+        return _project_rows(delta_w, delta_b, rows, lambda m: _project_right(m, basis))
 
     def protected_components(self, model, before: dict) -> dict:
         """Per protected layer, the largest |component| of the update since ``before`` (a state dict of the
