@@ -26,9 +26,11 @@ def _tasks(ifeval, arithmetic, knowledge):
             "knowledge_mc": _task("knowledge_mc", "knowledge", knowledge, chance=0.25)}
 
 
-def _probes(s_values, arithmetic):
+def _probes(s_values, arithmetic, flexible=None):
+    flexible = flexible or arithmetic
     return [{"step": 10 * i, "S": s, "pos0_mass": 0.5, "margin_G_minus_B": 1.0, "heldout_loss": 3.0 + 0.1 * i,
-             "arithmetic_strict": a} for i, (s, a) in enumerate(zip(s_values, arithmetic))]
+             "arithmetic_strict": a, "arithmetic_flexible": f}
+            for i, (s, a, f) in enumerate(zip(s_values, arithmetic, flexible))]
 
 
 def _world(vision_learns=True, vision_hurts=True, base_ifeval=None, s_fall=(1.5, 1.4, 1.2, 1.0),
@@ -67,7 +69,7 @@ def test_paper_like_world_holds_everywhere():
     assert cap["vl_lowers_ifeval"].holds is True and cap["vl_lowers_arithmetic_strict"].holds is True
     assert cap["text_only_loses_less_ifeval"].holds is True
     assert cap["vl_preserves_knowledge_mc"].holds is True
-    ero = _by_id(vl.erosion_finding(runs, [M]))
+    ero = _by_id(vl.erosion_finding(base, runs, [M]))
     assert ero["vl_lowers_s"].holds is True and ero["text_keeps_s"].holds is True
     assert ero["vl_larger_b_gap"].holds is True
     assert ero["format_falls_before_s"].holds is True        # arithmetic halves by step 10, S by step 20
@@ -81,7 +83,7 @@ def test_opposite_world_does_not_hold():
     assert cap["vl_lowers_ifeval"].holds is False
     # with no vision loss there is nothing for the text-only run to lose less of
     assert cap["text_only_loses_less_ifeval"].holds == NOT_COMPARABLE
-    ero = _by_id(vl.erosion_finding(runs, [M]))
+    ero = _by_id(vl.erosion_finding(base, runs, [M]))
     assert ero["vl_lowers_s"].holds is False and ero["text_keeps_s"].holds is False
     assert ero["format_falls_before_s"].holds == NOT_COMPARABLE
 
@@ -89,7 +91,7 @@ def test_opposite_world_does_not_hold():
 def test_every_claim_waits_for_the_vision_runs_to_learn():
     base, runs = _world(vision_learns=False)
     assert _by_id(vl.adaptation_finding(base, runs, [M]))["vl_learns_images"].holds is False
-    for finding in (vl.capability_finding(base, runs, [M]), vl.erosion_finding(runs, [M])):
+    for finding in (vl.capability_finding(base, runs, [M]), vl.erosion_finding(base, runs, [M])):
         assert finding.claims and all(c.holds == NOT_COMPARABLE for c in finding.claims)
         assert all("did not learn" in c.why_not_comparable for c in finding.claims)
 
@@ -125,10 +127,25 @@ def test_theorem1_forms():
 
 def test_dose_response_reads_erosion_against_loss():
     base, runs = _world()
-    dose = _by_id(vl.dose_finding(runs, [M], resamples=300))["erosion_tracks_loss"]
+    dose = _by_id(vl.dose_finding(base, runs, [M], resamples=300))["erosion_tracks_loss"]
     assert dose.holds is True and dose.origin == "ours"
     flat = {k: {**v, "probes": _probes((1.5, 1.5, 1.5, 1.5), (0.6, 0.6, 0.6, 0.6))} for k, v in runs.items()}
-    assert _by_id(vl.dose_finding(flat, [M], resamples=50))["erosion_tracks_loss"].holds == NOT_COMPARABLE
+    assert _by_id(vl.dose_finding(base, flat, [M], resamples=50))["erosion_tracks_loss"].holds == NOT_COMPARABLE
+
+
+def test_probe_metric_leaves_a_floored_strict_score_for_the_flexible_one():
+    base, runs = _world()
+    assert vl.probe_metric(base, M) == "arithmetic_strict"
+    base[M]["tasks"]["arithmetic_strict"] = _task("arithmetic_strict", "format", [0] * 60)
+    assert vl.probe_metric(base, M) == "arithmetic_flexible"
+    # strict stays flat at zero, flexible falls with the sink: read on strict, no dose-response could be seen
+    for key, doc in runs.items():
+        falling = (0.6, 0.3, 0.25, 0.2) if key[1] == "vision" else (0.6, 0.59, 0.58, 0.575)
+        s_values = [p["S"] for p in doc["probes"]]
+        doc["probes"] = _probes(s_values, (0.0,) * 4, falling)
+    dose = _by_id(vl.dose_finding(base, runs, [M], resamples=300))["erosion_tracks_loss"]
+    assert dose.holds is True and "arithmetic_flexible" in dose.our_value
+    assert _by_id(vl.erosion_finding(base, runs, [M]))["format_falls_before_s"].holds is True
 
 
 def test_across_models_orders_by_s():
