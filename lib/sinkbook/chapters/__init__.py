@@ -19,6 +19,7 @@ CHAPTERS = (
     Chapter("theorems", "The theorems, checked numerically"),
     Chapter("predictor", "Sink Strength as a predictor"),
     Chapter("vl_adaptation", "Vision-language adaptation at small scale"),
+    Chapter("vl_protection", "Protecting text capability during adaptation"),
     Chapter("outro", "OutRo: rotating head outputs toward the sink value"),
     Chapter("outro_multimodal", "OutRo on small vision-language models"),
     Chapter("gradient_sinks", "Gradient sinks and V-scale"),

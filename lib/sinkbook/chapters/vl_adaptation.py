@@ -132,18 +132,23 @@ def run_job(job: dict) -> str:
                             vision=job["probe"]["vision"], heldout_windows=job["probe"]["heldout_windows"],
                             tasks=cfg.tasks)
     run = adapt(cfg, probe=probe, probe_tag=tag, device=device, progress=job.get("progress", False))
-    result = evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality=cfg.modality, tasks=cfg.tasks)
+    from ..training.remedies import CHANGES_NORMS
+    result = evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality=cfg.modality, tasks=cfg.tasks,
+                      theorem1=cfg.intervention not in CHANGES_NORMS)
     result.update({"config": cfg.record(), "probes": run.probes, "train_seconds": run.seconds,
+                   "intervention": run.intervention,
                    "history": [{k: h[k] for k in ("stage", "step", "loss")} for h in run.history],
                    "directory": str(run.directory / "model")})
     _write(path, result)
     return str(path)
 
 
-def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None = None, tasks=None) -> dict:
+def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None = None, tasks=None,
+             theorem1: bool = True) -> dict:
     """The full suite on one model (``vlm`` None: an unadapted model): text tasks with per-item outcomes,
     held-out loss, the sink on the calibration prompts, and for adapted models the margin against ``reference``,
-    Theorem 1 on the weight update and (vision runs) held-out image-task accuracy."""
+    Theorem 1 on the weight update (``theorem1``: not for a model whose QK-norm was changed, whose attention is
+    no longer the reference's with other weights) and (vision runs) held-out image-task accuracy."""
     import torch
 
     from ..core.models import encode
@@ -169,6 +174,7 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
         else:
             ref_logits = sink_state(reference.model, batch, layers)[1]
             out["sink"] = sink_state(loaded.model, batch, layers, ref_logits)[0]
+        if reference is not None and theorem1:
             t1 = theorem1_on_update(reference.model, loaded.model, batch, layers)
             out["theorem1"] = theorem1_summary(t1)
             out["theorem1_why"] = t1["why"]
@@ -192,14 +198,16 @@ def _write(path: Path, doc: dict) -> None:
     write_json(path, doc, strict=False)      # a cache for this chapter only: NaN stays a number
 
 
-def run_jobs(jobs: list[dict], workers: int) -> list[str]:
-    """Run jobs, ``workers`` at a time in separate processes (one torch thread each); in order of submission."""
+def run_jobs(jobs: list[dict], workers: int, job_fn=None) -> list[str]:
+    """Run jobs (``job_fn``, default ``run_job``), ``workers`` at a time in separate processes (one torch thread
+    each); results in order of submission."""
+    job_fn = job_fn or run_job
     if workers <= 1:
-        return [run_job(job) for job in jobs]
+        return [job_fn(job) for job in jobs]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        return list(pool.map(run_job, jobs))
+        return list(pool.map(job_fn, jobs))
 
 
 # ---- finding functions: from the evaluations to tables, figures and claims ----------------------------------------

@@ -203,3 +203,50 @@ def inject_qk_norm(model, eps: float | None = None) -> InjectedQKNorm:
             handles.append(proj.register_forward_hook(norm.projection_hook))
             norms.setdefault(i, {})[kind] = norm
     return InjectedQKNorm(model, norms, handles)
+
+
+# ---- saving and loading a changed model --------------------------------------------------------------------
+# ``save_pretrained`` writes the gains but the family's class rebuilds its native norms (or none) on loading, so
+# a model saved after either change would load as a different function. These two functions carry the change.
+
+def qk_norm_state(model) -> dict | None:
+    """What ``fix_qk_norm`` or ``inject_qk_norm`` changed in ``model`` (None if neither): enough to redo it."""
+    arch = arch_for(model)
+    fixed, injected = {}, {}
+    for i, block in enumerate(decoder_layers(model)):
+        attn = get_module(block, arch.attn)
+        for kind in _KINDS:
+            norm = getattr(attn, kind + "_norm", None)
+            if isinstance(norm, FixedQKScale):
+                fixed[f"{i}.{kind}"] = {"scale": norm.scale.detach().cpu(), "head_axis": norm.head_axis,
+                                        "offset": norm.offset}
+            elif isinstance(norm, HeadRMSNorm):
+                injected[f"{i}.{kind}"] = {"weight": norm.weight.detach().cpu(), "eps": norm.eps}
+    if fixed:
+        return {"kind": "fixed", "norms": fixed}
+    if injected:
+        return {"kind": "injected", "norms": injected}
+    return None
+
+
+def restore_qk_norm(model, state: dict | None) -> None:
+    """Redo on a freshly loaded ``model`` the change ``qk_norm_state`` recorded (the saved gains are the native
+    norms' weights for a fixed scale, and are copied in for injected norms)."""
+    if not state:
+        return
+    arch = arch_for(model)
+    blocks = decoder_layers(model)
+    if state["kind"] == "injected":
+        injected = inject_qk_norm(model, eps=next(iter(state["norms"].values()))["eps"])
+        with torch.no_grad():
+            for key, saved in state["norms"].items():
+                i, kind = key.split(".")
+                injected.norms[int(i)][kind].weight.copy_(saved["weight"])
+        return
+    for key, saved in state["norms"].items():
+        i, kind = key.split(".")
+        block = blocks[int(i)]
+        norm = get_module(block, getattr(arch, kind + "_norm"))
+        fixed = FixedQKScale(norm.weight, saved["scale"].to(norm.weight.device), saved["head_axis"], saved["offset"])
+        parent, name = _parent(block, getattr(arch, kind + "_norm"))
+        setattr(parent, name, fixed)

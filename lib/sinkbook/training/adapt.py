@@ -19,6 +19,10 @@ The **text-only counterpart** (``modality="text"``) runs stage 2 with the same s
 and answers, on the same examples with the image replaced by the digit words (``digits.Example.text_stand_in``).
 Its stage 1 would train a projector that nothing reads, so it is skipped.
 
+An **intervention** (``AdaptConfig.intervention``, placed in the recipe by ``training.remedies``) changes one thing
+of a vision run: the language model's QK-norm before training, what stage 2 trains, a projection of its steps, or a
+share of text-only steps; everything else is the plain recipe, so a plain run is its matched control.
+
 Runs are cached by configuration under ``$SINKBOOK_CACHE/adapt/<key>/`` (the adapted model as a directory that
 ``load_model`` and ``load_vlm`` read, and ``run.json`` with the history and the probes). Training goes through
 ``training.loop.fit`` under accelerate: started with ``torchrun --nproc_per_node N``, each process trains on its
@@ -39,10 +43,12 @@ from ..core.models import load_model, resolve_device
 from ..core.paths import cache_root
 from .digits import TASKS, load_digit_splits, make_examples
 from .loop import Every, fit, warmup_cosine
+from .remedies import INTERVENTIONS, RecipeChange
 from .vlm import DigitVLM, PromptFormat, build_vlm, encode_examples, load_vlm, save_vlm, train_encoder
 
 RUN_FORMAT = 1
 MODALITIES = ("vision", "text")
+INTERVENTION_FIELDS = ("intervention", "text_share", "lora_rank")
 ENCODER_EPOCHS, ENCODER_WIDTH, ENCODER_SEED = 30, 64, 0
 
 
@@ -61,6 +67,9 @@ class AdaptConfig:
     seed: int = 0
     tasks: tuple = TASKS
     probe_every: int = 20            # stage 2 steps between probes (and one before the first step)
+    intervention: str = "none"       # a change of the recipe (training.remedies.INTERVENTIONS); "none": plain
+    text_share: float = 0.25         # text_blend: share of stage-2 steps on text-only batches
+    lora_rank: int = 16              # lora: adapter rank (alpha = 2 x rank)
 
     def __post_init__(self):
         if self.modality not in MODALITIES:
@@ -71,6 +80,15 @@ class AdaptConfig:
         for name in ("stage1_steps", "align_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.intervention not in INTERVENTIONS:
+            raise ValueError(f"intervention must be one of {', '.join(INTERVENTIONS)}, got {self.intervention!r}")
+        if self.intervention != "none" and self.modality != "vision":
+            raise ValueError(f"intervention {self.intervention!r} changes vision-language training; "
+                             "use modality 'vision'")
+        if not 0 < self.text_share < 1:
+            raise ValueError(f"text_share must be in (0, 1), got {self.text_share}")
+        if self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
         if not (self.lr > 0 and self.stage1_lr > 0):
             raise ValueError(f"learning rates must be > 0, got lr={self.lr}, stage1_lr={self.stage1_lr}")
         object.__setattr__(self, "tasks", tuple(self.tasks))
@@ -78,6 +96,9 @@ class AdaptConfig:
     def record(self) -> dict:
         out = dataclasses.asdict(self)
         out["tasks"] = list(self.tasks)
+        if self.intervention == "none":      # plain runs keep the keys they had before interventions existed
+            for name in INTERVENTION_FIELDS:
+                out.pop(name)
         return out
 
     def key(self, tag: str = "") -> str:
@@ -97,6 +118,7 @@ class AdaptedRun:
     seconds: float
     from_cache: bool
     directory: Path | None
+    intervention: dict = dataclasses.field(default_factory=dict)   # what the recipe change recorded
 
 
 def run_dir(cfg: AdaptConfig, tag: str = "") -> Path:
@@ -191,6 +213,8 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     loaded = load_model(cfg.model, device=str(accelerator.device))
     fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
     vlm = build_vlm(loaded, vision_encoder(str(accelerator.device)), seed=cfg.seed)
+    change = RecipeChange(cfg, vlm, loaded)
+    change.prepare()
     history, probes, start = [], [], time.perf_counter()
     warm = lambda steps: max(1, round(cfg.warmup_ratio * steps))
     if cfg.modality == "vision" and cfg.align_steps:
@@ -205,28 +229,34 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
                      cfg.stage1_steps, constant, loss_fn=_vlm_loss, clip=cfg.clip, accelerator=accelerator,
                      progress=progress, desc=f"{cfg.model} stage 1 (projector)")
         history += [{"stage": 1, **row} for row in result.history]
-    params = trainable_parameters(vlm, 2)
+    params = change.stage2_parameters(trainable_parameters(vlm, 2))
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    change.attach(optimizer)
     callbacks = []
     if probe is not None:
         callbacks.append(Every(cfg.probe_every, lambda step, model: probe(step, vlm, loaded, fmt, cfg.modality), "probe",
                                at_start=True))
-    result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, cfg.modality, 2, accelerator), cfg.steps,
+    vision_batch = _batch_maker(cfg, loaded.tokenizer, fmt, cfg.modality, 2, accelerator)
+    text_batch = _batch_maker(cfg, loaded.tokenizer, fmt, "text", 2, accelerator)
+    batch_at = lambda step: text_batch(step) if change.text_step(step) else vision_batch(step)
+    result = fit(vlm, optimizer, batch_at, cfg.steps,
                  warmup_cosine(cfg.lr, cfg.steps, warm(cfg.steps), min_lr_ratio=0.0), loss_fn=_vlm_loss,
                  clip=cfg.clip, callbacks=callbacks, accelerator=accelerator, progress=progress,
                  desc=f"{cfg.model} stage 2 ({cfg.modality})")
     history += [{"stage": 2, **row} for row in result.history]
+    intervention = change.finish()
     probes = [{k: v for k, v in row.items() if k != "name"} for row in result.probes]
     seconds = time.perf_counter() - start
     vlm = accelerator.unwrap_model(vlm).eval().requires_grad_(False)
     record = {"config": cfg.record(), "probe_tag": probe_tag, "history": history, "probes": probes,
+              "intervention": intervention,
               "seconds": seconds, "torch": torch.__version__, "processes": accelerator.num_processes}
     if accelerator.is_main_process:
-        save_vlm(vlm, loaded.tokenizer, directory / "model", fmt, {"config": cfg.record()})
+        save_vlm(vlm, loaded.tokenizer, directory / "model", fmt, {"config": cfg.record(), "intervention": intervention})
         (directory / "run.json.tmp").write_text(json.dumps(record, indent=1, default=float))
         (directory / "run.json.tmp").replace(directory / "run.json")
     accelerator.wait_for_everyone()
-    return AdaptedRun(cfg, vlm, loaded, fmt, history, probes, seconds, False, directory)
+    return AdaptedRun(cfg, vlm, loaded, fmt, history, probes, seconds, False, directory, intervention)
 
 
 def load_run(directory: str | Path, device: str = "auto") -> AdaptedRun:
@@ -234,4 +264,5 @@ def load_run(directory: str | Path, device: str = "auto") -> AdaptedRun:
     record = json.loads((directory / "run.json").read_text())
     cfg = AdaptConfig(**{**record["config"], "tasks": tuple(record["config"]["tasks"])})
     vlm, loaded, fmt = load_vlm(directory / "model", device=device)
-    return AdaptedRun(cfg, vlm, loaded, fmt, record["history"], record["probes"], record["seconds"], True, directory)
+    return AdaptedRun(cfg, vlm, loaded, fmt, record["history"], record["probes"], record["seconds"], True, directory,
+                      record.get("intervention", {}))

@@ -243,8 +243,10 @@ def save_vlm(vlm: DigitVLM, tokenizer, directory: str | Path, fmt: PromptFormat,
     directory.mkdir(parents=True, exist_ok=True)
     vlm.llm.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    from ..interventions.qknorm import qk_norm_state
     torch.save({"encoder": vlm.encoder.state_dict(), "encoder_width": vlm.encoder.width,
-                "projector": vlm.projector.state_dict(), "chat": fmt.chat}, directory / VISION_FILE)
+                "projector": vlm.projector.state_dict(), "chat": fmt.chat, "qk_norm": qk_norm_state(vlm.llm)},
+               directory / VISION_FILE)
     if record is not None:
         (directory / "sinkbook_adaptation.json").write_text(json.dumps(record, indent=1, default=str))
     return directory
@@ -256,8 +258,10 @@ def load_vlm(directory: str | Path, device: str = "auto") -> tuple[DigitVLM, Loa
     if not (directory / VISION_FILE).exists():
         raise FileNotFoundError(f"{directory} holds no {VISION_FILE}: it is not an adapted vision-language model "
                                 f"(write one with `sinkbook adapt ... --modality vision --out DIR`)")
+    from ..interventions.qknorm import restore_qk_norm
     loaded = load_model(str(directory), device=device)
     state = torch.load(directory / VISION_FILE, map_location="cpu", weights_only=True)
+    restore_qk_norm(loaded.model, state.get("qk_norm"))
     encoder = DigitEncoder(state["encoder_width"])
     encoder.load_state_dict(state["encoder"])
     vlm = build_vlm(loaded, encoder.eval())

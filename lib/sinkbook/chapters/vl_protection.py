@@ -1,0 +1,532 @@
+"""Chapter: protecting text capability during adaptation -- the VL paper's proposed interventions, tested.
+
+Every intervention changes one thing of the adaptation chapter's vision recipe (``training.remedies``): the
+head-selective sink protection derived from Theorem 1 and the per-head QK-norm frozen to a fixed scale (the two
+experiments the paper proposes and leaves open), the QK-norm injected after pretraining (its negative control),
+the known remedies (frozen language model, LoRA, text-only steps re-blended), and, after training, merging the
+adapted language model with its base (the paper's second negative control). Plain runs are the adaptation
+chapter's own (same configuration, same cache), so each intervention has a matched control with the same seeds,
+data order and evaluation items.
+
+Text capability is measured on the adaptation chapter's suite without IFEval-style compliance: plain vision
+training did not lower it significantly on SmolLM2 and Gemma 3 is a base model, so it cannot show a protection
+and would cost a third of every evaluation. The format-sensitive task each claim reads is the one with headroom
+on which plain adaptation hurts (``FORMAT_TASK``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..core.claims import Finding, Rule, claim, slug
+from ..core.paths import cache_root
+from ..core.profiles import Profiles
+from . import vl_adaptation as vl
+
+CHAPTER = "vl_protection"
+SOURCE = "VL paper"
+ALPHA = vl.ALPHA
+FORMAT_TASK = "arithmetic_flexible"      # headroom on both unadapted models; plain VL lowers it on both
+TEXT_TASKS = (FORMAT_TASK, "knowledge_mc")
+PLAIN = "none"
+MERGES = ("mix_95_5", "uniform", "task_arithmetic", "ties", "dare")
+MILD_MERGES, SPARSE_MERGES = ("mix_95_5", "uniform"), ("ties", "dare")
+LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk_norm": "QK-norm fixed scale",
+          "inject_qk_norm": "QK-norm injected", "frozen_llm": "frozen LLM", "lora": "LoRA",
+          "text_blend": "text re-blended", **{f"merge:{m}": f"merge {m}" for m in MERGES}}
+
+PROFILES = Profiles({
+    "quick": dict(interventions={"smollm2-135m-instruct": ["protection"]}, seeds=[0], merges=["uniform"],
+                  merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=1),
+    "default": dict(interventions={"smollm2-135m-instruct": ["protection", "inject_qk_norm"],
+                                   "gemma3-270m": ["fix_qk_norm"]},
+                    seeds=[0, 1], merges=list(MERGES), merge_models=["smollm2-135m-instruct"], merge_seeds=[0],
+                    workers=2),
+    "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
+                                                             "text_blend"],
+                               "Qwen/Qwen3-1.7B": ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
+                seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
+                merge_seeds=[0, 1, 2], workers=1),
+})
+
+# ---- rules, each written once ----------------------------------------------------------------------------------
+KEEPS_MORE = Rule.true(f"paired test (items, seed means) of the intervention against plain VL training says it "
+                       f"scores higher on {FORMAT_TASK} (alpha {ALPHA}), and its image accuracy is not lower by "
+                       f"the same test")
+MARGIN_KEPT = Rule.true("final median G_base - B_gap larger than plain VL's, in every seed")
+LOSES_MORE = Rule.true(f"the per-item change from its own start (fixed norm: the fixed-scale model before training) "
+                       f"is lower than the native model's change from the unadapted model (paired test, alpha {ALPHA})")
+ERODES_MORE = Rule.true("S falls more (from the first to the last probe) than with the native norm, in every seed")
+LAGS = Rule.true(f"below plain VL at every probe after the start (seed means) and lower at the end by a paired "
+                 f"test (alpha {ALPHA})")
+NO_EXTRA_DAMAGE = Rule.true(f"each mild merge: a paired test against the adapted model does not say 'hurts' (alpha {ALPHA})")
+TENS_OF_POINTS = Rule.at_least(10.0, "drop below the adapted model (pt)")
+SPARSE_WORST = Rule.true("the two sparsified merges (TIES, DARE) score below every other merge")
+NOT_RECOVERED = Rule.true(f"every merge still scores below the unadapted model by a paired test (alpha {ALPHA})")
+
+
+def settings_of_adaptation(s):
+    """The adaptation chapter's settings of the same profile: the recipe and evaluation every run here shares."""
+    models = sorted(set(s.interventions) | set(s.merge_models))
+    return vl.PROFILES.resolve(s.profile, device=s.device, models=models, seeds=sorted(set(s.seeds) | set(s.merge_seeds)),
+                               workers=s.workers)
+
+
+def eval_spec(adaptation) -> dict:
+    return {**vl.eval_spec(adaptation), "ifeval": 0}
+
+
+# ---- jobs (worker processes, cached) ---------------------------------------------------------------------------
+
+def merge_eval_path(run_directory: Path, name: str, spec: dict) -> Path:
+    return run_directory / f"merge-{name}-eval-{vl._hash(spec)}.json"
+
+
+def start_eval_path(model: str, intervention: str, spec: dict) -> Path:
+    return cache_root() / "adapt" / f"start-{slug(Path(model).name)}-{intervention}-{vl._hash(spec)}.json"
+
+
+def run_job(job: dict) -> str:
+    """A job of this chapter: "merge" (merge a plain run with its base, evaluate), "start" (a model whose QK-norm
+    was changed, before any training, evaluated), or a training run of the adaptation chapter's kind."""
+    import torch
+    if job["kind"] not in ("merge", "start"):
+        return vl.run_job(job)
+    from ..core.models import load_model
+    torch.set_num_threads(job.get("threads", 1))
+    spec, device = job["eval"], job.get("device", "cpu")
+    if job["kind"] == "start":
+        path = start_eval_path(job["model"], job["intervention"], spec)
+        if not path.exists():
+            from ..interventions.qknorm import fix_qk_norm, inject_qk_norm
+            from ..training.remedies import calibration_batch
+            loaded, reference = load_model(job["model"], device=device), load_model(job["model"], device=device)
+            if job["intervention"] == "fix_qk_norm":
+                fix_qk_norm(loaded.model, calibration_batch(loaded))
+            else:
+                inject_qk_norm(loaded.model)
+            vl._write(path, vl.evaluate(loaded, None, None, spec, reference=reference, theorem1=False))
+        return str(path)
+    from ..interventions.merging import merge_models
+    from ..training.adapt import AdaptConfig, load_run, run_dir
+    cfg = AdaptConfig(**{**job["config"], "tasks": tuple(job["config"]["tasks"])})
+    directory = run_dir(cfg, vl._hash(job["probe"]))
+    path = merge_eval_path(directory, job["merge"], spec)
+    if not path.exists():
+        run = load_run(directory, device)
+        reference = load_model(cfg.model, device=device)
+        merge_models(run.loaded.model, reference.model, job["merge"], seed=cfg.seed)
+        result = vl.evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality="vision", tasks=cfg.tasks)
+        result.update({"config": cfg.record(), "merge": job["merge"]})
+        vl._write(path, result)
+    return str(path)
+
+
+# ---- finding functions ------------------------------------------------------------------------------------------
+# ``base[model]``: the unadapted model's evaluation (the adaptation chapter's); ``runs[(model, arm, seed)]``: an
+# evaluation, where ``arm`` is "none" (plain VL), an intervention, or "merge:<name>"; ``starts[(model, arm)]``: a
+# changed model before training.
+
+def _arms(runs: dict, model: str) -> list:
+    order = [PLAIN, "protection", "fix_qk_norm", "inject_qk_norm", "frozen_llm", "lora", "text_blend",
+             *(f"merge:{m}" for m in MERGES)]
+    present = {arm for (m, arm, _) in runs if m == model}
+    return [a for a in order if a in present]
+
+
+def _seeds(runs: dict, model: str, arm: str) -> list:
+    return sorted(seed for (m, a, seed) in runs if m == model and a == arm)
+
+
+def _items(runs: dict, model: str, arm: str, task: str, seeds=None) -> np.ndarray | None:
+    rows = [vl._items(runs[(model, arm, s)], task) for s in (seeds or _seeds(runs, model, arm))]
+    rows = [r for r in rows if r is not None]
+    return np.mean(rows, axis=0) if rows else None
+
+
+def _vision_items(runs: dict, model: str, arm: str, seeds=None) -> np.ndarray | None:
+    rows = [runs[(model, arm, s)].get("vision", {}).get("per_item") for s in (seeds or _seeds(runs, model, arm))]
+    rows = [np.asarray(r, dtype=float) for r in rows if r]
+    return np.mean(rows, axis=0) if rows else None
+
+
+def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
+    from ..measures.stats import paired_bootstrap
+    b, plain = vl._items(base[model], task), _items(runs, model, PLAIN, task)
+    if b is None or plain is None:
+        return False, "no plain VL run or no unadapted evaluation"
+    if not vl._has_headroom(base, model, task):
+        return False, f"{task} is at its floor on the unadapted model"
+    if not vl.vision_learned({(model, "vision", s): runs[(model, PLAIN, s)] for s in _seeds(runs, model, PLAIN)},
+                             model)[0]:
+        return False, "the plain VL runs did not learn the image task"
+    if paired_bootstrap(b, plain, ALPHA).outcome != "hurts":
+        return False, f"plain VL training does not lower {task}: there is no loss to protect against"
+    return True, ""
+
+
+def capability_finding(base: dict, runs: dict, models: list) -> Finding:
+    """Every arm's text score and image accuracy: change from the unadapted model and difference from plain VL,
+    paired over items (seed means), with 95% bootstrap intervals."""
+    from plotly.subplots import make_subplots
+
+    from ..measures.stats import paired_bootstrap
+    rows = []
+    for model in models:
+        for arm in _arms(runs, model):
+            row = {"model": model, "arm": LABELS.get(arm, arm), "seeds": len(_seeds(runs, model, arm))}
+            for task in TEXT_TASKS:
+                seeds = _seeds(runs, model, arm)
+                b, a = vl._items(base[model], task), _items(runs, model, arm, task)
+                p = _items(runs, model, PLAIN, task, seeds) if set(seeds) <= set(_seeds(runs, model, PLAIN)) else None
+                if b is None or a is None:
+                    continue
+                change = paired_bootstrap(b, a, ALPHA)
+                row[f"{task}"] = float(a.mean())
+                row[f"{task} vs base (pt)"] = vl._interval(change)
+                row[f"_{task}_change"] = 100 * change.effect
+                if p is not None and arm != PLAIN:
+                    row[f"{task} vs plain (pt)"] = vl._interval(paired_bootstrap(p, a, ALPHA))
+            v = _vision_items(runs, model, arm)
+            row["image accuracy"] = float(v.mean()) if v is not None else float("nan")
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    figures = []
+    if not table.empty:
+        fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True)
+        for col, model in enumerate(models, start=1):
+            t = table[table.model == model]
+            for task, colour in zip(TEXT_TASKS, ("#d62728", "#1f77b4")):
+                if f"_{task}_change" in t:
+                    fig.add_bar(x=t.arm, y=t[f"_{task}_change"], name=task, marker_color=colour,
+                                showlegend=col == 1, row=1, col=col)
+        fig.update_yaxes(title_text="change from the unadapted model (pt)", row=1, col=1)
+        fig.update_layout(height=400, barmode="group", title="Text capability after each intervention (seed means)")
+        figures.append(fig)
+        table = table.drop(columns=[c for c in table if c.startswith("_")]).set_index(["model", "arm"])
+    return Finding("Text capability and image accuracy per intervention", table=table, figures=figures)
+
+
+def tradeoff_finding(base: dict, runs: dict, models: list) -> Finding:
+    """One point per arm and seed: share of the unadapted format-sensitive score kept against image accuracy."""
+    import plotly.express as px
+    rows = []
+    for (model, arm, seed), doc in runs.items():
+        if model not in models:
+            continue
+        b = base[model]["tasks"].get(FORMAT_TASK, {}).get("score")
+        score = doc["tasks"].get(FORMAT_TASK, {}).get("score")
+        if b and score is not None and doc.get("vision"):
+            rows.append({"model": model, "arm": LABELS.get(arm, arm), "seed": seed,
+                         "text kept": score / b, "image accuracy": doc["vision"]["accuracy"]})
+    table = pd.DataFrame(rows)
+    figures = []
+    if not table.empty:
+        fig = px.scatter(table, x="image accuracy", y="text kept", color="arm", symbol="model", hover_data=["seed"],
+                         title=f"Trade-off: {FORMAT_TASK} kept (share of the unadapted score) against image accuracy")
+        fig.add_hline(y=1.0, line_dash="dash", annotation_text="unadapted")
+        fig.update_layout(height=420)
+        figures.append(fig)
+    return Finding("The trade-off", table=table.set_index(["model", "arm", "seed"]) if not table.empty else None,
+                   figures=figures)
+
+
+def _probe_change(doc: dict, column: str) -> float:
+    probes = sorted(doc.get("probes") or [], key=lambda p: p["step"])
+    if len(probes) < 2 or column not in probes[0]:
+        return float("nan")
+    return float(probes[-1][column] - probes[0][column])
+
+
+def sink_finding(base: dict, runs: dict, models: list) -> Finding:
+    """The sink at the end of training (evaluation) and its change along training (probes), per arm and seed."""
+    from plotly.subplots import make_subplots
+    rows = []
+    for (model, arm, seed), doc in sorted(runs.items()):
+        if model not in models:
+            continue
+        sink = doc.get("sink", {})
+        rows.append({"model": model, "arm": LABELS.get(arm, arm), "seed": seed, "S": sink.get("S"),
+                     "S change (probes)": _probe_change(doc, "S"), "median G - B": sink.get("margin_G_minus_B"),
+                     "first-token attention": sink.get("pos0_mass")})
+    table = pd.DataFrame(rows)
+    fig = make_subplots(rows=1, cols=max(1, len(models)), subplot_titles=models)
+    for col, model in enumerate(models, start=1):
+        for (m, arm, seed), doc in sorted(runs.items()):
+            probes = sorted(doc.get("probes") or [], key=lambda p: p["step"])
+            if m != model or not probes:
+                continue
+            fig.add_scatter(x=[p["step"] for p in probes], y=[p["S"] for p in probes], mode="lines+markers",
+                            name=f"{LABELS.get(arm, arm)} s{seed}", row=1, col=col)
+    fig.update_layout(height=380, title="Sink Strength along stage 2 (probes)")
+    notes = [f"{model}: unadapted S {base[model]['sink']['S']:.3f}." for model in models if model in base]
+    return Finding("The sink per intervention", table=table.set_index(["model", "arm", "seed"]) if not table.empty
+                   else None, figures=[fig], notes=notes)
+
+
+def protection_finding(base: dict, runs: dict, models: list) -> Finding:
+    """Ours: does head-selective protection keep text capability at equal image accuracy, and the margin?"""
+    from ..measures.stats import paired_bootstrap
+    claims, notes = [], []
+    for model in models:
+        seeds = sorted(set(_seeds(runs, model, "protection")) & set(_seeds(runs, model, PLAIN)))
+        if not seeds:
+            continue
+        record = runs[(model, "protection", seeds[0])].get("intervention", {})
+        notes.append(f"{model}: {record.get('protection', 'no record')}.")
+        active = bool(record.get("sink_heads")) or bool(record.get("first_sink_layer"))
+        gate = vl._both(_plain_hurts(base, runs, model), (active, "no sink layer or head to protect on this model"))
+        text = paired_bootstrap(_items(runs, model, PLAIN, FORMAT_TASK, seeds),
+                                _items(runs, model, "protection", FORMAT_TASK, seeds), ALPHA)
+        image = paired_bootstrap(_vision_items(runs, model, PLAIN, seeds), _vision_items(runs, model, "protection", seeds),
+                                 ALPHA)
+        claims.append(claim(
+            f"protection_keeps_text_{slug(model)}", "measured", f"{SOURCE}, Limitations (the open question; test ours)",
+            f"{model}: head-selective protection keeps more format-sensitive skill than plain VL at equal image accuracy",
+            "proposed, not run", f"{FORMAT_TASK} {vl._interval(text)}; image accuracy {vl._interval(image)} (vs plain)",
+            KEEPS_MORE, value=text.outcome == "improves" and image.outcome != "hurts", precondition=gate, origin="ours"))
+        margins = {s: (runs[(model, "protection", s)]["sink"].get("margin_G_minus_B", float("nan")),
+                       runs[(model, PLAIN, s)]["sink"].get("margin_G_minus_B", float("nan"))) for s in seeds}
+        claims.append(claim(
+            f"protection_keeps_margin_{slug(model)}", "measured", f"{SOURCE}, Limitations",
+            f"{model}: protection closes the G_base - B_gap margin more slowly than plain VL",
+            "should slow how fast VL training closes the margin",
+            ", ".join(f"seed {s}: {p:+.3f} vs plain {q:+.3f}" for s, (p, q) in margins.items()), MARGIN_KEPT,
+            value=all(p > q for p, q in margins.values()), precondition=(active, "no sink head to protect"), origin="ours"))
+    return Finding("Head-selective protection", claims=claims, notes=notes)
+
+
+def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Finding:
+    """Ours: with the per-head QK-norm frozen to a fixed scale, does text skill fall further and the sink erode more?"""
+    from ..measures.stats import paired_bootstrap
+    claims, notes = [], []
+    for model in models:
+        seeds = sorted(set(_seeds(runs, model, "fix_qk_norm")) & set(_seeds(runs, model, PLAIN)))
+        start = starts.get((model, "fix_qk_norm"))
+        if not seeds or start is None:
+            continue
+        b, s0 = vl._items(base[model], FORMAT_TASK), vl._items(start, FORMAT_TASK)
+        native = _items(runs, model, PLAIN, FORMAT_TASK, seeds) - b
+        fixed = _items(runs, model, "fix_qk_norm", FORMAT_TASK, seeds) - s0
+        test = paired_bootstrap(native, fixed, ALPHA)
+        notes.append(f"{model}: {FORMAT_TASK} unadapted {b.mean():.3f}, with the fixed scale before training "
+                     f"{s0.mean():.3f} (the fixed scale is not the same function: see the methods); after VL training "
+                     f"native {(_items(runs, model, PLAIN, FORMAT_TASK, seeds)).mean():.3f}, fixed "
+                     f"{_items(runs, model, 'fix_qk_norm', FORMAT_TASK, seeds).mean():.3f}.")
+        room = start["tasks"].get(FORMAT_TASK)
+        room_ok = bool(room) and vl._has_headroom({model: start}, model, FORMAT_TASK)
+        gate = vl._both(_plain_hurts(base, runs, model),
+                        (room_ok, f"the fixed-scale model starts at the floor of {FORMAT_TASK}: nothing left to lose"))
+        claims.append(claim(
+            f"fixed_norm_loses_more_{slug(model)}", "measured", f"{SOURCE}, Limitations (the proposed causal test)",
+            f"{model}: with per-head QK-norm fixed to a scale, VL training costs more format-sensitive skill",
+            "proposed, not run (expected: IFEval collapses)",
+            f"change fixed minus change native {vl._interval(test)}", LOSES_MORE, value=test.outcome == "hurts",
+            precondition=gate, origin="ours"))
+        erosion = {s: (_probe_change(runs[(model, "fix_qk_norm", s)], "S"), _probe_change(runs[(model, PLAIN, s)], "S"))
+                   for s in seeds}
+        claims.append(claim(
+            f"fixed_norm_erodes_more_{slug(model)}", "measured", f"{SOURCE}, Limitations",
+            f"{model}: with the norm fixed, the sink erodes more under VL training than with the native norm",
+            "proposed, not run",
+            ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
+            value=all(f < n for f, n in erosion.values()), origin="ours",
+            precondition=(all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes")))
+    return Finding("Per-head QK-norm fixed during VL training", claims=claims, notes=notes)
+
+
+def injection_finding(base: dict, runs: dict, models: list, metric: str | None = None) -> Finding:
+    """The paper's negative control: per-head QK-norm injected after pretraining lags vanilla VL training."""
+    from ..measures.stats import paired_bootstrap
+    claims = []
+    for model in models:
+        seeds = sorted(set(_seeds(runs, model, "inject_qk_norm")) & set(_seeds(runs, model, PLAIN)))
+        if not seeds:
+            continue
+        probe_metric = metric or vl.probe_metric(base, model)
+        curves = {}
+        for arm in (PLAIN, "inject_qk_norm"):
+            steps = {}
+            for s in seeds:
+                for p in runs[(model, arm, s)].get("probes") or []:
+                    steps.setdefault(p["step"], []).append(p.get(probe_metric, float("nan")))
+            curves[arm] = {k: float(np.mean(v)) for k, v in sorted(steps.items())}
+        later = [k for k in curves[PLAIN] if k > 0 and k in curves["inject_qk_norm"]]
+        below = all(curves["inject_qk_norm"][k] < curves[PLAIN][k] for k in later) and bool(later)
+        end = paired_bootstrap(_items(runs, model, PLAIN, FORMAT_TASK, seeds),
+                               _items(runs, model, "inject_qk_norm", FORMAT_TASK, seeds), ALPHA)
+        trace = ", ".join(f"step {k}: {curves['inject_qk_norm'][k]:.2f} vs {curves[PLAIN][k]:.2f}" for k in later)
+        claims.append(claim(
+            f"injection_lags_vanilla_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
+            f"{model}: per-head QK-norm injected after pretraining lags vanilla VL training throughout",
+            "IFEval 11 (injected) vs vanilla throughout; base 59.9",
+            f"probe {probe_metric}: {trace}; end {FORMAT_TASK} {vl._interval(end)}", LAGS,
+            value=below and end.outcome == "hurts",
+            precondition=(base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm")))
+    return Finding("QK-norm injected after pretraining", claims=claims)
+
+
+def merging_finding(base: dict, runs: dict, models: list) -> Finding:
+    """The paper's second negative control: merging the adapted language model back toward its base."""
+    from ..measures.stats import paired_bootstrap
+    claims, rows, notes = [], [], []
+    for model in models:
+        present = [m for m in MERGES if _seeds(runs, model, f"merge:{m}")]
+        if not present:
+            continue
+        seeds = sorted(set.intersection(*(set(_seeds(runs, model, f"merge:{m}")) for m in present)))
+        adapted = _items(runs, model, PLAIN, FORMAT_TASK, seeds)
+        b = vl._items(base[model], FORMAT_TASK)
+        scores, tests = {}, {}
+        for m in present:
+            merged = _items(runs, model, f"merge:{m}", FORMAT_TASK, seeds)
+            scores[m] = float(merged.mean())
+            tests[m] = (paired_bootstrap(adapted, merged, ALPHA), paired_bootstrap(b, merged, ALPHA))
+            rows.append({"model": model, "merge": m, FORMAT_TASK: scores[m], "vs adapted": vl._interval(tests[m][0]),
+                         "vs unadapted": vl._interval(tests[m][1])})
+        gate = _plain_hurts(base, runs, model)
+        mild = [m for m in MILD_MERGES if m in present]
+        if mild:
+            claims.append(claim(
+                f"mild_merges_no_extra_damage_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
+                f"{model}: the mild mixes (95/5, uniform) do not damage the adapted model further",
+                "avoid substantial additional degradation", "; ".join(f"{m} {vl._interval(tests[m][0])}" for m in mild),
+                NO_EXTRA_DAMAGE, value=all(tests[m][0].outcome != "hurts" for m in mild), precondition=gate))
+        if "task_arithmetic" in present:
+            drop = 100 * (float(adapted.mean()) - scores["task_arithmetic"])
+            claims.append(claim(
+                f"full_strength_drops_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
+                f"{model}: full task arithmetic drops the unprotected model by tens of points", "tens of points",
+                f"{drop:+.1f} pt", TENS_OF_POINTS, value=drop,
+                precondition=(False, "with one adapted model and its base as the only ancestor, task arithmetic at "
+                                     "lambda 1 returns the adapted model itself (the paper's released VLMs merge with "
+                                     "a reference that is not their ancestor)")))
+        sparse = [m for m in SPARSE_MERGES if m in present]
+        others = [m for m in present if m not in SPARSE_MERGES]
+        if sparse and others:
+            claims.append(claim(
+                f"sparsified_merges_worst_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
+                f"{model}: the sparsified merges (TIES, DARE) are the most damaging",
+                "most damaging across both pairs", ", ".join(f"{m} {scores[m]:.3f}" for m in present), SPARSE_WORST,
+                value=max(scores[m] for m in sparse) < min(scores[m] for m in others), precondition=gate))
+        claims.append(claim(
+            f"merging_does_not_recover_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / Fig. 5",
+            f"{model}: no merge recovers the format-sensitive skill lost in VL training",
+            "fail to recover IFEval on the low-S side", "; ".join(f"{m} {vl._interval(tests[m][1])}" for m in present),
+            NOT_RECOVERED, value=all(tests[m][1].outcome == "hurts" for m in present), precondition=gate))
+        notes.append(f"{model}: unadapted {b.mean():.3f}, adapted {adapted.mean():.3f} ({FORMAT_TASK}, seeds {seeds}).")
+    table = pd.DataFrame(rows).set_index(["model", "merge"]) if rows else None
+    return Finding("Merging after VL training", claims=claims, table=table, notes=notes)
+
+
+# ---- the chapter --------------------------------------------------------------------------------------------------
+
+class VLProtection:
+    """``run()`` trains and evaluates (cached; plain runs shared with the adaptation chapter), then one method per
+    finding, in notebook order."""
+
+    def __init__(self, settings):
+        from ..training.remedies import INTERVENTIONS
+        self.s = settings
+        unknown = sorted({i for arms in settings.interventions.values() for i in arms} - set(INTERVENTIONS[1:]))
+        if unknown:
+            raise ValueError(f"unknown interventions {unknown}; choose from {', '.join(INTERVENTIONS[1:])}")
+        bad = sorted(set(settings.merges) - set(MERGES))
+        if bad:
+            raise ValueError(f"unknown merges {bad}; choose from {', '.join(MERGES)}")
+        if not settings.seeds:
+            raise ValueError("seeds must name at least one seed")
+        self.adaptation = settings_of_adaptation(settings)
+        self.models = sorted(set(settings.interventions) | set(settings.merge_models))
+        self.claims: list = []
+        self.base, self.runs, self.starts, self.seconds = {}, {}, {}, {}
+
+    def jobs(self) -> list[dict]:
+        import dataclasses
+        a = self.adaptation
+        full, reduced, probe = vl.eval_spec(a), eval_spec(a), vl.probe_spec(a)
+        device = "cpu" if self.s.device == "auto" else self.s.device
+        plain = {(c.model, c.seed): c for c in vl.adapt_configs(a) if c.modality == "vision"}
+        jobs = [{"kind": "base", "model": m, "eval": full, "device": device} for m in self.models]
+        for model in self.models:
+            seeds = set(self.s.seeds) if model in self.s.interventions else set()
+            seeds |= set(self.s.merge_seeds) if model in self.s.merge_models else set()
+            jobs += [{"kind": "run", "config": plain[model, s].record(), "eval": full, "probe": probe, "device": device,
+                      "arm": PLAIN} for s in sorted(seeds)]
+            for arm in self.s.interventions.get(model, []):
+                jobs += [{"kind": "run", "config": dataclasses.replace(plain[model, s], intervention=arm).record(),
+                          "eval": reduced, "probe": probe, "device": device, "arm": arm} for s in self.s.seeds]
+                if arm == "fix_qk_norm":
+                    jobs.append({"kind": "start", "model": model, "intervention": arm, "eval": reduced,
+                                 "device": device})
+            if model in self.s.merge_models:
+                jobs += [{"kind": "merge", "config": plain[model, s].record(), "merge": m, "eval": reduced,
+                          "probe": probe, "device": device, "arm": f"merge:{m}"}
+                         for m in self.s.merges for s in self.s.merge_seeds]
+        return jobs
+
+    def run(self) -> Finding:
+        from ..core.models import resolve_device
+        start = time.perf_counter()
+        jobs = self.jobs()
+        cpu = resolve_device(self.s.device) == "cpu"
+        if not cpu:
+            for job in jobs:
+                job["device"] = resolve_device(self.s.device)
+        workers = self.s.workers if cpu else 1
+        paths = {}
+        for phase in (False, True):       # the merges read the trained runs, so they wait for them
+            mine = [i for i, job in enumerate(jobs) if (job["kind"] == "merge") == phase]
+            paths.update(zip(mine, vl.run_jobs([jobs[i] for i in mine], workers, run_job)))
+        for i, job in enumerate(jobs):
+            doc = json.loads(Path(paths[i]).read_text())
+            if job["kind"] == "base":
+                self.base[job["model"]] = doc
+            elif job["kind"] == "start":
+                self.starts[(job["model"], job["intervention"])] = doc
+            else:
+                self.runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
+        self.seconds["run"] = time.perf_counter() - start
+        table = pd.DataFrame([{"model": m, "arm": LABELS.get(a, a), "seed": s, "training (s)": d.get("train_seconds"),
+                               "evaluation (s)": d.get("seconds")} for (m, a, s), d in sorted(self.runs.items())])
+        notes = [f"{len(jobs)} jobs; this call took {self.seconds['run']:.0f} s (cached runs load in seconds).",
+                 "Plain VL runs are the adaptation chapter's; merges reuse them, so they take no training."]
+        return Finding("Runs", table=table, notes=notes)
+
+    def _keep(self, finding: Finding) -> Finding:
+        self.claims += finding.claims
+        return finding
+
+    def capability(self) -> Finding:
+        return self._keep(capability_finding(self.base, self.runs, self.models))
+
+    def tradeoff(self) -> Finding:
+        return self._keep(tradeoff_finding(self.base, self.runs, self.models))
+
+    def sink(self) -> Finding:
+        return self._keep(sink_finding(self.base, self.runs, self.models))
+
+    def protection(self) -> Finding:
+        return self._keep(protection_finding(self.base, self.runs, self.models))
+
+    def fixed_norm(self) -> Finding:
+        return self._keep(fixed_norm_finding(self.base, self.runs, self.starts, self.models))
+
+    def injection(self) -> Finding:
+        return self._keep(injection_finding(self.base, self.runs, self.models))
+
+    def merging(self) -> Finding:
+        return self._keep(merging_finding(self.base, self.runs, self.models))
+
+    def results(self) -> dict:
+        runs = {f"{m}|{a}|{s}": {"scores": {t: r["score"] for t, r in d["tasks"].items()},
+                                 "vision_accuracy": (d.get("vision") or {}).get("accuracy"), "sink": d.get("sink"),
+                                 "intervention": d.get("intervention"), "train_seconds": d.get("train_seconds")}
+                for (m, a, s), d in self.runs.items()}
+        models = [d["model"]["record"] for d in self.base.values()]
+        return dict(chapter=CHAPTER, parameters=self.s.as_dict(), claims=self.claims, models=models,
+                    extra={"runs": runs, "seconds": self.seconds})

@@ -1,0 +1,171 @@
+"""The protection chapter: its finding functions on synthetic evaluations (each verdict both ways, and the gating
+when a precondition is missing), its job list, and its argument checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sinkbook.chapters import vl_protection as vp
+from sinkbook.core.claims import NOT_COMPARABLE
+
+M = "model-a"
+TASK = vp.FORMAT_TASK
+
+
+def _task(name, items, chance=0.0):
+    items = [float(x) for x in items]
+    return {"task": name, "kind": "format", "metric": "acc", "score": float(np.mean(items)), "per_item": items,
+            "chance": chance, "n": len(items), "seconds": 0.0, "details": {}}
+
+
+def _doc(correct, image_correct=50, s_path=(1.5, 1.4, 1.3, 1.2), margin=1.0, n=60, intervention=None):
+    probes = [{"step": 20 * i, "S": s, "arithmetic_flexible": correct / n + 0.01 * (3 - i),
+               "arithmetic_strict": 0.0} for i, s in enumerate(s_path)]
+    doc = {"tasks": {TASK: _task(TASK, [1] * correct + [0] * (n - correct)),
+                     "knowledge_mc": _task("knowledge_mc", [1] * 40 + [0] * 20, 0.25)},
+           "vision": {"per_item": [1] * image_correct + [0] * (60 - image_correct),
+                      "accuracy": image_correct / 60, "chance": 0.3, "by_task": {}},
+           "sink": {"S": s_path[-1], "margin_G_minus_B": margin, "pos0_mass": 0.5}, "probes": probes,
+           "intervention": intervention or {}}
+    return doc
+
+
+def _base(correct=45, qk_norm="none"):
+    return {M: {"tasks": {TASK: _task(TASK, [1] * correct + [0] * (60 - correct)),
+                          "arithmetic_strict": _task("arithmetic_strict", [0] * 60),
+                          "knowledge_mc": _task("knowledge_mc", [1] * 40 + [0] * 20, 0.25)},
+                "sink": {"S": 1.5}, "model": {"qk_norm": qk_norm, "record": {"spec": M}}}}
+
+
+PROTECTED = {"protection": "layers below 2 frozen; 3 sink heads projected", "first_sink_layer": 2,
+             "sink_heads": {"2": [0, 1]}}
+
+
+def _by_id(finding):
+    return {c.id.removesuffix("_model_a"): c for c in finding.claims}
+
+
+def _world(arm, arm_correct, plain_correct=20, **arm_doc):
+    runs = {}
+    for seed in (0, 1):
+        runs[(M, vp.PLAIN, seed)] = _doc(plain_correct, margin=0.5)
+        runs[(M, arm, seed)] = _doc(arm_correct, **arm_doc)
+    return runs
+
+
+def test_protection_that_keeps_text_at_equal_image_accuracy_holds():
+    runs = _world("protection", 40, margin=1.5, intervention=PROTECTED)
+    claims = _by_id(vp.protection_finding(_base(), runs, [M]))
+    assert claims["protection_keeps_text"].holds is True and claims["protection_keeps_text"].origin == "ours"
+    assert claims["protection_keeps_margin"].holds is True
+
+
+def test_protection_that_keeps_text_by_not_learning_images_does_not_hold():
+    runs = _world("protection", 40, image_correct=25, margin=0.2, intervention=PROTECTED)
+    claims = _by_id(vp.protection_finding(_base(), runs, [M]))
+    assert claims["protection_keeps_text"].holds is False
+    assert claims["protection_keeps_margin"].holds is False
+
+
+def test_protection_is_not_comparable_without_a_loss_or_without_a_sink():
+    runs = _world("protection", 40, intervention=PROTECTED)
+    no_loss = _by_id(vp.protection_finding(_base(correct=20), runs, [M]))["protection_keeps_text"]
+    assert no_loss.holds == NOT_COMPARABLE and "no loss" in no_loss.why_not_comparable
+    floor = _base()
+    floor[M]["tasks"][TASK] = _task(TASK, [0] * 60)
+    assert _by_id(vp.protection_finding(floor, runs, [M]))["protection_keeps_text"].holds == NOT_COMPARABLE
+    inactive = _world("protection", 40, intervention={"protection": "no sink layer", "first_sink_layer": None,
+                                                       "sink_heads": {}})
+    claims = _by_id(vp.protection_finding(_base(), inactive, [M]))
+    assert all(c.holds == NOT_COMPARABLE for c in claims.values())
+
+
+def test_fixed_norm_counts_its_loss_from_its_own_start():
+    runs = _world("fix_qk_norm", 10, s_path=(1.5, 1.2, 0.9, 0.6))
+    base = _base(qk_norm="per-head")
+    # native: 45 -> 20 (-25 items); fixed: 40 -> 10 (-30 items) from its own start
+    start = {"tasks": {TASK: _task(TASK, [1] * 40 + [0] * 20)}}
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): start}, [M]))
+    assert claims["fixed_norm_erodes_more"].holds is True
+    # the same end from a start that was already low is a smaller loss than the native one
+    low_start = {"tasks": {TASK: _task(TASK, [1] * 12 + [0] * 48)}}
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): low_start}, [M]))
+    assert claims["fixed_norm_loses_more"].holds is False
+    floor_start = {"tasks": {TASK: _task(TASK, [0] * 60)}}
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): floor_start}, [M]))
+    assert claims["fixed_norm_loses_more"].holds == NOT_COMPARABLE
+
+
+def test_fixed_norm_that_collapses_holds():
+    runs = _world("fix_qk_norm", 2)
+    start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
+    claims = _by_id(vp.fixed_norm_finding(_base(qk_norm="per-head"), runs, {(M, "fix_qk_norm"): start}, [M]))
+    assert claims["fixed_norm_loses_more"].holds is True
+
+
+def test_injection_lags_only_when_below_at_every_probe_and_at_the_end():
+    base = _base()
+    lagging = _world("inject_qk_norm", 5)
+    assert _by_id(vp.injection_finding(base, lagging, [M]))["injection_lags_vanilla"].holds is True
+    ahead = _world("inject_qk_norm", 35)
+    assert _by_id(vp.injection_finding(base, ahead, [M]))["injection_lags_vanilla"].holds is False
+    with_norm = _base(qk_norm="per-head")
+    assert _by_id(vp.injection_finding(with_norm, lagging, [M]))["injection_lags_vanilla"].holds == NOT_COMPARABLE
+
+
+def _merges(scores: dict):
+    runs = {(M, vp.PLAIN, 0): _doc(20)}
+    for name, correct in scores.items():
+        runs[(M, f"merge:{name}", 0)] = _doc(correct)
+    return runs
+
+
+def test_the_papers_merge_pattern_holds_where_it_is_reproduced():
+    runs = _merges({"mix_95_5": 20, "uniform": 24, "task_arithmetic": 20, "ties": 8, "dare": 5})
+    claims = _by_id(vp.merging_finding(_base(), runs, [M]))
+    assert claims["mild_merges_no_extra_damage"].holds is True
+    assert claims["sparsified_merges_worst"].holds is True
+    assert claims["merging_does_not_recover"].holds is True
+    assert claims["full_strength_drops"].holds == NOT_COMPARABLE          # task arithmetic returns the adapted model
+
+
+def test_a_merge_that_recovers_breaks_the_papers_pattern():
+    runs = _merges({"mix_95_5": 8, "uniform": 44, "ties": 30, "dare": 30})
+    claims = _by_id(vp.merging_finding(_base(), runs, [M]))
+    assert claims["merging_does_not_recover"].holds is False
+    assert claims["mild_merges_no_extra_damage"].holds is False
+    assert claims["sparsified_merges_worst"].holds is False
+
+
+def test_capability_and_tradeoff_tables_cover_every_arm():
+    runs = {**_world("protection", 40, intervention=PROTECTED), **_merges({"uniform": 30})}
+    cap = vp.capability_finding(_base(), runs, [M])
+    arms = set(cap.table.index.get_level_values("arm"))
+    assert arms == {"plain VL", "head-selective protection", "merge uniform"}
+    assert cap.figures and "arithmetic_flexible vs plain (pt)" in cap.table
+    trade = vp.tradeoff_finding(_base(), runs, [M])
+    assert len(trade.table) == 5 and trade.table["text kept"].max() == pytest.approx(40 / 45)
+    assert vp.sink_finding(_base(), runs, [M]).table is not None
+
+
+def test_jobs_share_the_adaptation_chapters_plain_runs():
+    from sinkbook.chapters import vl_adaptation as vl
+    s = vp.PROFILES.resolve("default")
+    chapter = vp.VLProtection(s)
+    jobs = chapter.jobs()
+    adaptation = vl.VLAdaptation(vl.PROFILES.resolve("default")).jobs()
+    plain = [j for j in jobs if j.get("arm") == vp.PLAIN]
+    assert plain and all(any(j["config"] == a.get("config") and j["eval"] == a["eval"] and j["probe"] == a["probe"]
+                             for a in adaptation) for j in plain)
+    assert all(j["eval"]["ifeval"] == 0 for j in jobs if j["kind"] in ("merge", "start") or j.get("arm") not in
+               (None, vp.PLAIN))
+    arms = {(j["config"]["model"], j["arm"]) for j in jobs if j["kind"] == "run"}
+    assert ("gemma3-270m", "fix_qk_norm") in arms and ("smollm2-135m-instruct", "protection") in arms
+
+
+@pytest.mark.parametrize("override, why", [(dict(interventions={"x": ["dropout"]}), "unknown interventions"),
+                                           (dict(merges=["average"]), "unknown merges"),
+                                           (dict(seeds=[]), "at least one seed")])
+def test_bad_arguments_are_refused_in_one_line(override, why):
+    with pytest.raises(ValueError, match=why):
+        vp.VLProtection(vp.PROFILES.resolve("quick", **override))
