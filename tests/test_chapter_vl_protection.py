@@ -111,6 +111,9 @@ def test_injection_lags_only_when_below_at_every_probe_and_at_the_end():
     assert _by_id(vp.injection_finding(base, ahead, [M]))["injection_lags_vanilla"].holds is False
     with_norm = _base(qk_norm="per-head")
     assert _by_id(vp.injection_finding(with_norm, lagging, [M]))["injection_lags_vanilla"].holds == NOT_COMPARABLE
+    blind = {k: {**v, "vision": {**v["vision"], "per_item": [0] * 60, "accuracy": 0.0}} for k, v in lagging.items()}
+    claim = _by_id(vp.injection_finding(base, blind, [M]))["injection_lags_vanilla"]
+    assert claim.holds == NOT_COMPARABLE and "did not learn" in claim.why_not_comparable
 
 
 def _merges(scores: dict):

@@ -16,7 +16,8 @@ RUNS = {
     "outro_multimodal": {"models": ["tiny-qwen2"]},
     "gradient_sinks": {"real_models": ["tiny-olmo2"]},
     "sink_criteria": {"models": ["tiny-gemma3"]},
-    "vl_protection": {"interventions": {"tiny-qwen2": ["protection", "inject_qk_norm"]}, "merge_models": ["tiny-qwen2"],
+    "vl_protection": {"interventions": {"tiny-qwen2": ["protection", "inject_qk_norm"], "tiny-qwen3": ["fix_qk_norm"]},
+                      "merge_models": ["tiny-qwen2"],
                       "merges": ["uniform", "ties"]},
 }
 

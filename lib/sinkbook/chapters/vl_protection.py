@@ -154,17 +154,24 @@ def _vision_items(runs: dict, model: str, arm: str, seeds=None) -> np.ndarray | 
     return np.mean(rows, axis=0) if rows else None
 
 
-def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
-    from ..measures.stats import paired_bootstrap
-    b, plain = vl._items(base[model], task), _items(runs, model, PLAIN, task)
-    if b is None or plain is None:
+def _comparable(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
+    """The plain runs learned the images (it is VL adaptation) and ``task`` has headroom on the unadapted model."""
+    if not _seeds(runs, model, PLAIN) or model not in base:
         return False, "no plain VL run or no unadapted evaluation"
     if not vl._has_headroom(base, model, task):
         return False, f"{task} is at its floor on the unadapted model"
     if not vl.vision_learned({(model, "vision", s): runs[(model, PLAIN, s)] for s in _seeds(runs, model, PLAIN)},
                              model)[0]:
         return False, "the plain VL runs did not learn the image task"
-    if paired_bootstrap(b, plain, ALPHA).outcome != "hurts":
+    return True, ""
+
+
+def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
+    from ..measures.stats import paired_bootstrap
+    ok, why = _comparable(base, runs, model, task)
+    if not ok:
+        return ok, why
+    if paired_bootstrap(vl._items(base[model], task), _items(runs, model, PLAIN, task), ALPHA).outcome != "hurts":
         return False, f"plain VL training does not lower {task}: there is no loss to protect against"
     return True, ""
 
@@ -335,7 +342,9 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Fi
             "proposed, not run",
             ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
             value=all(f < n for f, n in erosion.values()), origin="ours",
-            precondition=(all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes")))
+            precondition=vl._both(_comparable(base, runs, model),
+                                  (base[model]["model"]["qk_norm"] == "per-head", "the model has no per-head QK-norm"),
+                                  (all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes"))))
     return Finding("Per-head QK-norm fixed during VL training", claims=claims, notes=notes)
 
 
@@ -366,7 +375,8 @@ def injection_finding(base: dict, runs: dict, models: list, metric: str | None =
             "IFEval 11 (injected) vs vanilla throughout; base 59.9",
             f"probe {probe_metric}: {trace}; end {FORMAT_TASK} {vl._interval(end)}", LAGS,
             value=below and end.outcome == "hurts",
-            precondition=(base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm")))
+            precondition=vl._both(_comparable(base, runs, model),
+                                  (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))))
     return Finding("QK-norm injected after pretraining", claims=claims)
 
 
