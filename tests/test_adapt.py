@@ -14,7 +14,7 @@ from sinkbook.core.models import load_model
 from sinkbook.training.adapt import AdaptConfig, adapt, trainable_parameters, vision_encoder
 from sinkbook.training.digits import TASKS, WORDS, load_digit_splits, make_examples, question_and_answer
 from sinkbook.training.vlm import (IMAGE_MARKER, PATCHES_PER_DIGIT, PromptFormat, answer_loss, build_vlm,
-                                   encode_examples, load_vlm)
+                                   encode_examples, load_vlm, train_encoder)
 
 HELPER = Path(__file__).parent / "helpers" / "adapt_run.py"
 
@@ -216,3 +216,18 @@ def test_stage_zero_aligns_the_projector_without_touching_the_language_model(tin
     losses = align_projector(vlm, loaded.tokenizer, steps=60, seed=0)
     assert losses[-1] < 0.5 * losses[0]
     assert all(torch.equal(before[k], v) for k, v in loaded.model.state_dict().items())
+
+
+def test_the_encoder_is_the_same_whatever_the_callers_thread_count():
+    train, _ = load_digit_splits()
+    images, labels = train.images[:256], train.labels[:256]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = train_encoder(images, labels, seed=0, epochs=2).state_dict()
+        torch.set_num_threads(2)
+        two = train_encoder(images, labels, seed=0, epochs=2).state_dict()
+        assert torch.get_num_threads() == 2               # the caller's setting comes back
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(one[k], two[k]) for k in one)

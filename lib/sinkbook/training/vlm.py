@@ -56,19 +56,28 @@ class DigitEncoder(nn.Module):
 
 def train_encoder(train_images: torch.Tensor, train_labels: torch.Tensor, seed: int = 0, epochs: int = 30,
                   width: int = 64) -> DigitEncoder:
-    """Fit the encoder on the digit labels (Adam, mini-batches of 64), then freeze it."""
-    torch.manual_seed(seed)
-    encoder = DigitEncoder(width)
-    optimizer = torch.optim.Adam(encoder.parameters(), lr=3e-3)
-    order = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        perm = torch.randperm(len(train_labels), generator=order)
-        for start in range(0, len(perm), 64):
-            idx = perm[start:start + 64]
-            loss = nn.functional.cross_entropy(encoder(train_images[idx]), train_labels[idx])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+    """Fit the encoder on the digit labels (Adam, mini-batches of 64), then freeze it.
+
+    Trained on one thread whatever the caller's setting: CPU kernels sum in an order that depends on the thread
+    count, and the weights after 30 epochs differed visibly between one and two threads (up to 0.14), enough to
+    move the adapted models' scores; every run of every machine must read the same encoder."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        encoder = DigitEncoder(width)
+        optimizer = torch.optim.Adam(encoder.parameters(), lr=3e-3)
+        order = torch.Generator().manual_seed(seed)
+        for _ in range(epochs):
+            perm = torch.randperm(len(train_labels), generator=order)
+            for start in range(0, len(perm), 64):
+                idx = perm[start:start + 64]
+                loss = nn.functional.cross_entropy(encoder(train_images[idx]), train_labels[idx])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     encoder.eval().requires_grad_(False)
     return encoder
 

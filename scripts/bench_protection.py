@@ -1,0 +1,80 @@
+"""What head-selective protection costs per training step: stage-2 steps of the adaptation recipe with the
+protection attached (its optimizer pre/post-step hooks project the sink heads' W_q / W_k updates) against the
+same steps without it, in one run, alternating blocks so that a slow spell of a shared machine hits both.
+
+    .venv/bin/python scripts/bench_protection.py [--model smollm2-135m-instruct] [--blocks 3] [--steps 10]
+
+Both variants train the same parameters (the protection's frozen layers are left trainable in the plain variant),
+so the ratio is the cost of the projection itself plus whatever freezing saves. Target of ours: at most 1.10.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from sinkbook.chapters.vl_adaptation import PROFILES
+from sinkbook.core.models import load_model
+from sinkbook.interventions.protection import calibrate_protection
+from sinkbook.training.adapt import AdaptConfig, _batch_maker, trainable_parameters, vision_encoder
+from sinkbook.training.remedies import calibration_batch
+from sinkbook.training.vlm import PromptFormat, build_vlm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per block")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from accelerate import Accelerator
+    settings = PROFILES.resolve("default")
+    loaded = load_model(a.model, device="cpu")
+    fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
+    vlm = build_vlm(loaded, vision_encoder("cpu"))
+    cfg = AdaptConfig(a.model, batch_size=settings.batch_size, tasks=tuple(settings.tasks))
+    batch_at = _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 2, Accelerator(cpu=True))
+    params = trainable_parameters(vlm, 2)
+    optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+    protection = calibrate_protection(vlm.llm, calibration_batch(loaded))
+    print(json.dumps({"protection": protection.reason}), flush=True)
+    step = 0
+
+    def train(n, protected):
+        nonlocal step
+        if protected:
+            protection.attach(vlm.llm, optimizer)
+        try:
+            start = time.perf_counter()
+            for _ in range(n):
+                loss = vlm(**batch_at(step))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                step += 1
+            return time.perf_counter() - start
+        finally:
+            if protected:
+                protection.detach()
+
+    vlm.train()
+    train(2, False)
+    train(2, True)                                       # warm-up: first calls allocate
+    rows = []
+    for block in range(a.blocks):
+        plain = train(a.steps, False)
+        protected = train(a.steps, True)
+        rows.append({"block": block, "plain_s": plain, "protected_s": protected, "ratio": protected / plain})
+        print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"model": a.model, "steps": a.steps, "median_ratio": statistics.median(r["ratio"] for r in rows),
+                      "step_s": statistics.median(r["plain_s"] for r in rows) / a.steps}))
+
+
+if __name__ == "__main__":
+    main()
