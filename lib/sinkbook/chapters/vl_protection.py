@@ -42,7 +42,7 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
 PROFILES = Profiles({
     "quick": dict(interventions={"smollm2-135m-instruct": ["protection"]}, seeds=[0], merges=["uniform"],
                   merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=1),
-    "default": dict(interventions={"smollm2-135m-instruct": ["protection", "inject_qk_norm"],
+    "default": dict(interventions={"smollm2-135m-instruct": ["protection", "inject_qk_norm", "frozen_llm"],
                                    "gemma3-270m": ["fix_qk_norm"]},
                     seeds=[0, 1], merges=list(MERGES), merge_models=["smollm2-135m-instruct"], merge_seeds=[0],
                     workers=2),
