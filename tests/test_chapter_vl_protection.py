@@ -151,6 +151,16 @@ def test_capability_and_tradeoff_tables_cover_every_arm():
     assert vp.sink_finding(_base(), runs, [M]).table is not None
 
 
+def test_a_frozen_language_model_must_score_every_text_item_as_the_unadapted_one():
+    base = _base()
+    same = {(M, vp.PLAIN, 0): _doc(20), (M, "frozen_llm", 0): _doc(45)}
+    same[(M, "frozen_llm", 0)]["tasks"]["knowledge_mc"] = base[M]["tasks"]["knowledge_mc"]
+    check = _by_id(vp.capability_finding(base, same, [M]))["frozen_llm_text_unchanged"]
+    assert check.holds is True and check.must_hold
+    moved = {**same, (M, "frozen_llm", 0): _doc(44)}
+    assert _by_id(vp.capability_finding(base, moved, [M]))["frozen_llm_text_unchanged"].holds is False
+
+
 def test_jobs_share_the_adaptation_chapters_plain_runs():
     from sinkbook.chapters import vl_adaptation as vl
     s = vp.PROFILES.resolve("default")

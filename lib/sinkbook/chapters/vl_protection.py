@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Rule, claim, slug
+from ..core.claims import Finding, Rule, check, claim, slug
 from ..core.paths import cache_root
 from ..core.profiles import Profiles
 from . import vl_adaptation as vl
@@ -66,6 +66,7 @@ LAGS = Rule.true(f"below plain VL at every probe after the start (seed means) an
 NO_EXTRA_DAMAGE = Rule.true(f"each mild merge: a paired test against the adapted model does not say 'hurts' (alpha {ALPHA})")
 TENS_OF_POINTS = Rule.at_least(10.0, "drop below the adapted model (pt)")
 SPARSE_WORST = Rule.true("the two sparsified merges (TIES, DARE) score below every other merge")
+UNCHANGED = Rule.at_most(0, "items (over seeds and text tasks) whose outcome differs from the unadapted model's")
 NOT_RECOVERED = Rule.true(f"every merge still scores below the unadapted model by a paired test (alpha {ALPHA})")
 
 
@@ -201,6 +202,16 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
             v = _vision_items(runs, model, arm)
             row["image accuracy"] = float(v.mean()) if v is not None else float("nan")
             rows.append(row)
+    claims = []
+    for model in models:
+        seeds = _seeds(runs, model, "frozen_llm")
+        if seeds:
+            differ = sum(int(np.sum(vl._items(runs[(model, "frozen_llm", s)], t) != vl._items(base[model], t)))
+                         for s in seeds for t in TEXT_TASKS)
+            claims.append(check(f"frozen_llm_text_unchanged_{slug(model)}",
+                                f"{model}: with the language model frozen, every text item scores as on the unadapted "
+                                f"model (the pipeline changes nothing else)", f"{differ} items differ", UNCHANGED,
+                                value=differ))
     table = pd.DataFrame(rows)
     figures = []
     if not table.empty:
@@ -215,7 +226,7 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
         fig.update_layout(height=400, barmode="group", title="Text capability after each intervention (seed means)")
         figures.append(fig)
         table = table.drop(columns=[c for c in table if c.startswith("_")]).set_index(["model", "arm"])
-    return Finding("Text capability and image accuracy per intervention", table=table, figures=figures)
+    return Finding("Text capability and image accuracy per intervention", claims=claims, table=table, figures=figures)
 
 
 def tradeoff_finding(base: dict, runs: dict, models: list) -> Finding:
