@@ -42,13 +42,15 @@ def vscale_jacobian_eigenvalues(sq_norm: torch.Tensor, c: torch.Tensor) -> tuple
 class VScaledProjection(nn.Module):
     """``v_proj`` followed by V-scale, one ``theta`` per value head (KV head under GQA)."""
 
-    def __init__(self, proj: nn.Linear, n_heads: int, d_head: int, d_model: int, sigma: float = SIGMA):
+    def __init__(self, proj: nn.Linear, n_heads: int, d_head: int, d_model: int, sigma: float = SIGMA,
+                 theta: float = 0.0):
         super().__init__()
         if proj.out_features != n_heads * d_head:
             raise ValueError(f"v_proj gives {proj.out_features} features, expected {n_heads} heads x {d_head}")
         self.proj = proj
         self.n_heads, self.d_head, self.d_model, self.sigma = n_heads, d_head, d_model, sigma
-        self.theta = nn.Parameter(torch.zeros(n_heads, device=proj.weight.device, dtype=proj.weight.dtype))
+        self.theta = nn.Parameter(torch.full((n_heads,), float(theta), device=proj.weight.device,
+                                             dtype=proj.weight.dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         v = self.proj(hidden)
@@ -64,8 +66,13 @@ def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
     setattr(get_module(root, parent) if parent else root, name, module)
 
 
-def apply_vscale(model: nn.Module, sigma: float = SIGMA) -> nn.Module:
-    """Wrap every layer's value projection with V-scale (in place; returns the model)."""
+RETROFIT_THETA = -30.0       # C ~ 1e-9 of its default: v_hat / v = r / (r + C) is 1 to float precision at start
+
+
+def apply_vscale(model: nn.Module, sigma: float = SIGMA, theta: float = 0.0) -> nn.Module:
+    """Wrap every layer's value projection with V-scale (in place; returns the model). ``theta``: the initial
+    value of every theta (the paper's 0 for training from scratch; ``RETROFIT_THETA`` to add V-scale to a
+    pretrained model as (nearly) the identity, so that training, not the insertion, moves it)."""
     arch = arch_for(model)
     cfg = text_config(model)
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -75,7 +82,7 @@ def apply_vscale(model: nn.Module, sigma: float = SIGMA) -> nn.Module:
             raise ValueError(f"layer {i} already has V-scale; apply_vscale was called twice")
         if not isinstance(proj, nn.Linear):
             raise TypeError(f"layer {i}: the value projection is {type(proj).__name__}, expected nn.Linear")
-        _set_module(layer, arch.v_proj, VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma))
+        _set_module(layer, arch.v_proj, VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma, theta))
     return model
 
 
