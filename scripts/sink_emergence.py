@@ -10,6 +10,7 @@ status, machine, batch, context, rows. Examples (the recorded runs came from the
     .venv/bin/python scripts/sink_emergence.py --size xs --steps 8000 --threads 1 --out xs-8000.json
     .venv/bin/python scripts/sink_emergence.py --size xs --shape 4,128,8,384 --steps 4000   # 8 heads of 16
     .venv/bin/python scripts/sink_emergence.py --size xs --steps 3000 --lr 1e-2
+    .venv/bin/python scripts/sink_emergence.py --size nano --data bb-64-3 --steps 2000 --every 250  # synthetic
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ import torch
 
 from sinkbook.chapters.gradient_sinks import sink_check
 from sinkbook.measures.gradprobes import probe_batch
-from sinkbook.training.corpus import load_corpus, validation_batches
+from sinkbook.training.corpus import validation_batches
 from sinkbook.training.loop import Every
 from sinkbook.training.scratch import SIZES, TrainConfig, train, validation_loss
+from sinkbook.training.synthetic import corpus_for
 
 PROBE_BATCH, PROBE_CONTEXT = 16, 128     # the probe batch is fixed, whatever the training batch
 
@@ -58,7 +60,7 @@ def probe_row(step: int, model, probe_ids, corpus, cfg: TrainConfig, last: LastS
 def record(command: str, status: str, cfg: TrainConfig, rows: list[dict]) -> dict:
     """One file of measurements/sink_emergence/: the fields the chapter's ``load_emergence_runs`` reads."""
     machine = f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads"
-    return {"command": command, "status": status, "machine": machine, "batch": cfg.batch_size,
+    return {"command": command, "status": status, "machine": machine, "data": cfg.data, "batch": cfg.batch_size,
             "context": cfg.context, "shape": list(cfg.dims), "rows": rows}
 
 
@@ -92,6 +94,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default="sink_emergence.json")
+    ap.add_argument("--data", default="shakespeare",
+                    help="shakespeare, or the synthetic Bigram-Backcopy corpus bb-<vocab>-<triggers> (e.g. bb-64-3)")
+    ap.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
     args = ap.parse_args(argv)
     shape = parse_shape(args.shape, ap)
     if args.threads:
@@ -99,11 +104,15 @@ def main(argv=None) -> None:
     given = sys.argv[1:] if argv is None else argv
     command = " ".join([".venv/bin/python", "scripts/sink_emergence.py", *map(shlex.quote, given)])
 
-    corpus = load_corpus()
+    try:
+        corpus = corpus_for(args.data)
+    except ValueError as e:
+        ap.error(str(e))
     # eval_every only schedules the loop's own validation (which does not touch the data order); the probe
     # computes its own validation loss, so the loop validates once, at the end.
     cfg = TrainConfig(size=args.size, shape=shape, steps=args.steps, warmup_steps=args.steps // 10,
-                      batch_size=args.batch, context=args.context, lr=args.lr, eval_every=args.steps)
+                      batch_size=args.batch, context=args.context, lr=args.lr, eval_every=args.steps,
+                      data=args.data, vocab_size=corpus.vocab_size, weight_decay=args.weight_decay)
     probe_ids = validation_batches(corpus.val_ids, PROBE_BATCH, PROBE_CONTEXT, corpus.bos_id, 1)[0]
     out, rows, last = Path(args.out), [], LastStep()
 

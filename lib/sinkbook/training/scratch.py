@@ -51,6 +51,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     shape: tuple | None = None      # (layers, d_model, heads, d_ff) instead of the named size's shape
+    data: str = "shakespeare"       # or a synthetic corpus, "bb-<vocab>-<triggers>" (training.synthetic)
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -78,6 +79,8 @@ class TrainConfig:
             del fields["shape"]
         else:
             fields["shape"] = list(fields["shape"])
+        if fields["data"] == "shakespeare":  # and before ``data`` existed
+            del fields["data"]
         return fields
 
     def key(self) -> str:
