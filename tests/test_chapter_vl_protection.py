@@ -130,6 +130,8 @@ def test_the_papers_merge_pattern_holds_where_it_is_reproduced():
     assert claims["sparsified_merges_worst"].holds is True
     assert claims["merging_does_not_recover"].holds is True
     assert claims["full_strength_drops"].holds == NOT_COMPARABLE          # task arithmetic returns the adapted model
+    without = _by_id(vp.merging_finding(_base(), _merges({"uniform": 24, "ties": 8}), [M]))["full_strength_drops"]
+    assert without.holds == NOT_COMPARABLE and "not run" in without.our_value
 
 
 def test_a_merge_that_recovers_breaks_the_papers_pattern():
@@ -173,7 +175,8 @@ def test_jobs_share_the_adaptation_chapters_plain_runs():
     assert all(j["eval"]["ifeval"] == 0 for j in jobs if j["kind"] in ("merge", "start") or j.get("arm") not in
                (None, vp.PLAIN))
     arms = {(j["config"]["model"], j["arm"]) for j in jobs if j["kind"] == "run"}
-    assert ("gemma3-270m", "fix_qk_norm") in arms and ("smollm2-135m-instruct", "protection") in arms
+    assert ("gemma3-270m", "fix_qk_norm") in arms and ("gemma3-270m", "protection") in arms
+    assert ("smollm2-135m-instruct", "inject_qk_norm") in arms
 
 
 @pytest.mark.parametrize("override, why", [(dict(interventions={"x": ["dropout"]}), "unknown interventions"),

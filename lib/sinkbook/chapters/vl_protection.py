@@ -42,9 +42,13 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
 PROFILES = Profiles({
     "quick": dict(interventions={"smollm2-135m-instruct": ["protection"]}, seeds=[0], merges=["uniform"],
                   merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=1),
-    "default": dict(interventions={"smollm2-135m-instruct": ["protection", "inject_qk_norm", "frozen_llm"],
+    # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
+    # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
+    # but task arithmetic, which with the adapted model's own base is the adapted model itself (its claim says so).
+    "default": dict(interventions={"smollm2-135m-instruct": ["inject_qk_norm"],
                                    "gemma3-270m": ["protection", "fix_qk_norm"]},
-                    seeds=[0, 1], merges=list(MERGES), merge_models=["gemma3-270m"], merge_seeds=[0],
+                    seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=["gemma3-270m"],
+                    merge_seeds=[0],
                     workers=2),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
                                                              "text_blend"],
@@ -419,10 +423,12 @@ def merging_finding(base: dict, runs: dict, models: list) -> Finding:
                 NO_EXTRA_DAMAGE, value=all(tests[m][0].outcome != "hurts" for m in mild), precondition=gate))
         if "task_arithmetic" in present:
             drop = 100 * (float(adapted.mean()) - scores["task_arithmetic"])
+        if present:
             claims.append(claim(
                 f"full_strength_drops_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
                 f"{model}: full task arithmetic drops the unprotected model by tens of points", "tens of points",
-                f"{drop:+.1f} pt", TENS_OF_POINTS, value=drop,
+                f"{drop:+.1f} pt" if "task_arithmetic" in present else "not run (it is the adapted model)",
+                TENS_OF_POINTS, value=drop if "task_arithmetic" in present else 0.0,
                 precondition=(False, "with one adapted model and its base as the only ancestor, task arithmetic at "
                                      "lambda 1 returns the adapted model itself (the paper's released VLMs merge with "
                                      "a reference that is not their ancestor)")))
