@@ -64,7 +64,8 @@ KEEPS_MORE = Rule.true(f"paired test (items, seed means) of the intervention aga
 MARGIN_KEPT = Rule.true("final median G_base - B_gap larger than plain VL's, in every seed")
 LOSES_MORE = Rule.true(f"the per-item change from its own start (fixed norm: the fixed-scale model before training) "
                        f"is lower than the native model's change from the unadapted model (paired test, alpha {ALPHA})")
-ERODES_MORE = Rule.true("S falls more (from the first to the last probe) than with the native norm, in every seed")
+ERODES_MORE = Rule.true("S changes less upward, or falls more, from the first to the last probe than with the native "
+                        "norm, in every seed")
 LAGS = Rule.true(f"below plain VL at every probe after the start (seed means) and lower at the end by a paired "
                  f"test (alpha {ALPHA})")
 NO_EXTRA_DAMAGE = Rule.true(f"each mild merge: a paired test against the adapted model does not say 'hurts' (alpha {ALPHA})")
@@ -353,7 +354,8 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Fi
                    for s in seeds}
         claims.append(claim(
             f"fixed_norm_erodes_more_{slug(model)}", "measured", f"{SOURCE}, Limitations",
-            f"{model}: with the norm fixed, the sink erodes more under VL training than with the native norm",
+            f"{model}: with the norm fixed, VL training leaves the sink weaker relative to its start than with the "
+            f"native norm",
             "proposed, not run",
             ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
             value=all(f < n for f, n in erosion.values()), origin="ours",
