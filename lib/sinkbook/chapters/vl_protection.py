@@ -41,7 +41,7 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
 
 PROFILES = Profiles({
     "quick": dict(interventions={"smollm2-135m-instruct": ["protection"]}, seeds=[0], merges=["uniform"],
-                  merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=1),
+                  merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=2),
     # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
     # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
     # but task arithmetic, which with the adapted model's own base is the adapted model itself (its claim says so).
