@@ -31,7 +31,8 @@ from sinkbook.training.loop import Every
 from sinkbook.training.scratch import SIZES, TrainConfig, train, validation_loss
 from sinkbook.training.synthetic import corpus_for
 
-PROBE_BATCH, PROBE_CONTEXT = 16, 128     # the probe batch is fixed, whatever the training batch
+PROBE_BATCH, PROBE_CONTEXT = 16, 128     # the probe batch is fixed, whatever the training batch (its windows no
+# longer than the training context: positions the model never saw would say nothing about the sink it learned)
 
 
 class LastStep:
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
     cfg = TrainConfig(size=args.size, shape=shape, steps=args.steps, warmup_steps=args.steps // 10,
                       batch_size=args.batch, context=args.context, lr=args.lr, eval_every=args.steps,
                       data=args.data, vocab_size=corpus.vocab_size, weight_decay=args.weight_decay)
-    probe_ids = validation_batches(corpus.val_ids, PROBE_BATCH, PROBE_CONTEXT, corpus.bos_id, 1)[0]
+    probe_ids = validation_batches(corpus.val_ids, PROBE_BATCH, min(PROBE_CONTEXT, args.context), corpus.bos_id, 1)[0]
     out, rows, last = Path(args.out), [], LastStep()
 
     def probe(step, model):

@@ -44,7 +44,7 @@ SINGLE_DIGIT = ("caption", "identify", "parity", "greater")
 
 PROFILES = Profiles({
     "quick": dict(models=["smollm2-135m-instruct"], seeds=[0], tasks=list(SINGLE_DIGIT), steps=6, stage1_steps=4, lr=2e-4, stage1_lr=3e-4,
-                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=8, arithmetic=12, knowledge=16,
+                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=0, arithmetic=12, knowledge=16,
                   ifeval=8, ifeval_tokens=32, ifeval_base_models=False, vision=20, heldout_windows=2, window=10,
                   workers=2),
     "default": dict(models=["smollm2-135m-instruct", "gemma3-270m"], seeds=[0, 1], tasks=list(SINGLE_DIGIT), steps=60, stage1_steps=20,

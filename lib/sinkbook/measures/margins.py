@@ -38,15 +38,21 @@ from .strength import STRONG_SINK_G, gap_from_logits
 QKNORM_BOUND_CONSTANT = 2.0
 
 
-def attention_logits(model, batch: dict, layers) -> dict:
-    """{layer: (B, H, T, S) float32 pre-softmax logits}, masked keys (causal, window, padding) at -inf."""
-    real = batch["attention_mask"].bool()
-    out = {}
+def _logit_keeper(out: dict, attention_mask: torch.Tensor):
+    """An ``("attn", layer)`` edit that stores the call's float32 logits in ``out[layer]`` (padding at -inf)."""
+    real = attention_mask.bool()
 
     def keep(call):
         logits = call.logits()
         out[call.layer] = logits.masked_fill(~real[:, None, None, -logits.shape[-1]:], float("-inf")).cpu()
         return None
+    return keep
+
+
+def attention_logits(model, batch: dict, layers) -> dict:
+    """{layer: (B, H, T, S) float32 pre-softmax logits}, masked keys (causal, window, padding) at -inf."""
+    out = {}
+    keep = _logit_keeper(out, batch["attention_mask"])
     layers = sorted(layers)
     with torch.no_grad(), intervene(model, {("attn", l): keep for l in layers}), \
             capture(model, points=(), layers=[layers[-1]], stop_early=True):
@@ -109,6 +115,23 @@ def _projections_from(model, adapted, layer: int):
                 weight.copy_(value)
 
 
+@contextlib.contextmanager
+def _recorded_calls(model, layers, calls: dict):
+    """Inside the block, ``calls[layer] = (args, kwargs)`` of each listed layer's attention module call."""
+    arch = arch_for(model)
+    handles = []
+    try:
+        for layer in layers:
+            module = get_module(decoder_layers(model)[layer], arch.attn)
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, kwargs, layer=layer: calls.__setitem__(layer, (args, dict(kwargs))),
+                with_kwargs=True))
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _head_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """(heads * d, D) -> (heads, d, D)."""
     return weight.detach().float().unflatten(0, (heads, -1))
@@ -126,16 +149,24 @@ def theorem1_on_update(reference, adapted, batch: dict, layers=None) -> dict:
     layers = window_layers(reference) if layers is None else list(layers)
     H, Hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(reference)
     groups = H // Hkv
-    base = attention_logits(reference, batch, layers)
-    realised = sink_margins(base, attention_logits(adapted, batch, layers), batch["attention_mask"])
-    with torch.no_grad(), capture(reference, points=("attn_in",), layers=layers) as cap:
+    base, calls = {}, {}
+    keep = _logit_keeper(base, batch["attention_mask"])
+    # One reference pass records the base logits, the projections' input and each window layer's attention call;
+    # re-running only that attention module with the adapted W_q, W_k then gives the projection-only logits (the
+    # hidden states stay the reference's, as Theorem 1 assumes) without a forward pass per layer.
+    with torch.no_grad(), intervene(reference, {("attn", l): keep for l in layers}), \
+            _recorded_calls(reference, layers, calls), \
+            capture(reference, points=("attn_in",), layers=layers, stop_early=True) as cap:
         reference(**batch, use_cache=False)
+    realised = sink_margins(base, attention_logits(adapted, batch, layers), batch["attention_mask"])
     form = {"none": "eq4", "per-head": "eq5"}.get(arch.qk_norm)
     real = batch["attention_mask"].bool().cpu()
     rows = []
     for layer in layers:
-        with _projections_from(reference, adapted, layer):
-            swapped = attention_logits(reference, batch, [layer])
+        swapped, (args, kwargs) = {}, calls[layer]
+        with torch.no_grad(), _projections_from(reference, adapted, layer), \
+                intervene(reference, {("attn", layer): _logit_keeper(swapped, batch["attention_mask"])}):
+            get_module(decoder_layers(reference)[layer], arch.attn)(*args, **kwargs)
         only = sink_margins({layer: base[layer]}, swapped, batch["attention_mask"])[layer]
         block_ref, block_new = decoder_layers(reference)[layer], decoder_layers(adapted)[layer]
         wq = _head_rows(get_module(block_ref, arch.q_proj).weight, H)
