@@ -41,3 +41,34 @@ def test_data_names_are_checked_and_keys_stay_for_shakespeare():
         BigramBackcopy(vocab=8, triggers=4)
     assert "data" not in TrainConfig().record()
     assert TrainConfig(data="bb-64-3", vocab_size=65).key() != TrainConfig(vocab_size=65).key()
+
+
+def test_induction_triggers_repeat_what_followed_them_last_time_unless_that_was_a_repeat():
+    from sinkbook.training.synthetic import LOOKBACK
+    source = BigramBackcopy(vocab=16, triggers=1, induction=2, alpha=0.3, seed=2)
+    x = source.stream(20_000, seed=3).astype(int)
+    induction = set(source.induction_ids().tolist())
+    assert not induction & set(source.trigger_ids().tolist())
+    repeats = drawn = 0
+    repeated_after = {}                        # position of an induction trigger -> whether its follower was a repeat
+    for t in range(1, len(x) - 1):
+        if x[t] not in induction:
+            continue
+        earlier = [p for p in range(max(1, t - LOOKBACK), t) if x[p] == x[t]]   # the stream's rules start at 1
+        if earlier and not repeated_after[earlier[-1]]:
+            assert x[t + 1] == x[earlier[-1] + 1]
+            repeated_after[t] = True
+            repeats += 1
+        else:
+            repeated_after[t] = False
+            drawn += 1
+    assert repeats > 100 and drawn > 100       # both branches exercised
+    assert np.isin(x, list(induction)).mean() < 0.2     # no loop takes the stream over
+
+
+def test_induction_names_parse_and_old_names_keep_their_stream():
+    assert corpus_for("bb-8-1-i2").source.induction == 2
+    assert np.array_equal(BigramBackcopy(vocab=8, triggers=1).trigger_ids(),
+                          BigramBackcopy(vocab=8, triggers=1, induction=2).trigger_ids())
+    with pytest.raises(ValueError, match="induction"):
+        BigramBackcopy(vocab=8, triggers=1, induction=4)

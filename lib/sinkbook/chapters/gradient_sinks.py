@@ -1,4 +1,5 @@
-"""Gradient sinks and V-scale: Llama models trained from scratch on Shakespeare, and two pretrained models.
+"""Gradient sinks and V-scale: Llama models trained from scratch on Shakespeare, and two pretrained models; the
+second half (a synthetic setting with a sink, the V-scale retrofit, quantisation) is in ``gradient_sinks_with_sink``.
 
 The gradient-sinks paper argues that an attention sink on token 0 is also a gradient sink (its value state
 collects the upstream gradient of every query that attends to it), that massive activations on token 0 damp
@@ -48,15 +49,17 @@ PROFILES = Profiles({
     # quick: CI smoke run, a tiny model and a few steps; nothing scientific is expected of it
     "quick": dict(size=None, sweep_sizes=["nano"], steps_by_size={"nano": 60}, steps=None, batch_size=8,
                   context=72, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS, real_batch=1, real_context=80,
-                  use_cache=True),
+                  use_cache=True, sink_steps=200, sink_seeds=[0], retrofit_model="tiny-llama", retrofit_steps=3),
     # default: each model trains in <= 10 minutes on 2 CPU cores (uncontended)
     "default": dict(size=None, sweep_sizes=["nano", "xs"], steps_by_size={"nano": 3000, "xs": 2500, "s": 1200},
                     steps=None, batch_size=16, context=128, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS,
-                    real_batch=2, real_context=256, use_cache=True),
+                    real_batch=2, real_context=256, use_cache=True, sink_steps=2000, sink_seeds=[0, 1, 2],
+                    retrofit_model="smollm2-135m-instruct", retrofit_steps=60),
     "gpu": dict(size=None, sweep_sizes=["s", "m", "l", "0.1b"],
                 steps_by_size={"s": 5000, "m": 5000, "l": 5000, "0.1b": 5000}, steps=None, batch_size=32,
                 context=256, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS, real_batch=8, real_context=512,
-                use_cache=True),
+                use_cache=True, sink_steps=4000, sink_seeds=[0, 1, 2, 3, 4], retrofit_model="smollm2-135m-instruct",
+                retrofit_steps=500),
 })
 
 EVAL_EVERY = 500          # validation every 500 steps and at the end (part of the cached runs' configuration)
@@ -260,6 +263,7 @@ def load_emergence_runs(directory: str | Path | None = None) -> pd.DataFrame:
         batch = int(record.get("batch", TrainConfig.batch_size))
         context = int(record.get("context", TrainConfig.context))
         rows.insert(0, "run", path.stem)
+        rows["data"] = record.get("data", "shakespeare")
         rows["tokens (M)"] = rows.step * batch * context / 1e6
         rows["status"], rows["command"] = record.get("status", ""), record.get("command", "")
         frames.append(rows)
@@ -275,7 +279,7 @@ def recorded_runs_finding(long_runs: pd.DataFrame) -> Finding:
     fig = _threshold_figure(curves, ("sink_rate_middle", "token0_ratio_middle_max"),
                             ("Sink^eps(0), middle layers", "token-0 ratio (max, middle)"), (SINK_MIN, RATIO_MIN))
     last = long_runs.groupby("run", sort=False).tail(1).set_index("run")
-    table = last[["step", "tokens (M)", "sink_rate_middle", "token0_ratio_middle_max", "largest_alpha0",
+    table = last[["data", "step", "tokens (M)", "sink_rate_middle", "token0_ratio_middle_max", "largest_alpha0",
                   "val_loss", "status"]].rename(columns={"sink_rate_middle": "Sink^eps middle",
                                                          "token0_ratio_middle_max": "token-0 ratio",
                                                          "largest_alpha0": "largest alpha_0", "val_loss": "val loss"})
@@ -637,7 +641,8 @@ class GradientSinks:
     """Measures and findings of the chapter, in notebook order; every measurement is cached on the instance."""
 
     FINDINGS = ("paper_values", "size_sweep", "trajectories", "recorded_runs", "late_attention", "training",
-                "gradient_sinks", "qkv_paths", "bloat_change_compress", "vscale_theta", "pretrained", "checks")
+                "gradient_sinks", "qkv_paths", "bloat_change_compress", "vscale_theta", "pretrained", "sink_setting",
+                "retrofit", "quantisation", "checks")
 
     def __init__(self, settings: Settings):
         self.settings = s = settings
@@ -661,6 +666,8 @@ class GradientSinks:
         self.baselines, self.baseline_probes, self.vscale_run, self._pair = {}, {}, None, None
         self._trajectories: dict[str, pd.DataFrame] = {}
         self.real_probes, self.real_records, self.real_seconds, self.real_skipped = {}, [], {}, {}
+        self.setting_models: dict[str, torch.nn.Module] = {}
+        self._retrofit: dict | None = None
 
     # -- measurements --
 
@@ -817,6 +824,48 @@ class GradientSinks:
     def pretrained(self) -> Finding:
         return self._once("pretrained", lambda: pretrained_finding(
             self.probe_real_models(), self.probes(), self.chosen, self.real_seconds, self.real_skipped))
+
+    def sink_setting(self) -> Finding:
+        """Baseline and V-scale on the synthetic setting that has a sink, one pair per seed (cached runs)."""
+        def build():
+            from . import gradient_sinks_with_sink as ws
+            corpus = ws.corpus_for(ws.SETTING["data"])
+            ids = ws.setting_probe_ids(corpus)
+            pairs, theta, seconds = {}, {}, {}
+            for seed in self.settings.sink_seeds:
+                pairs[seed] = {}
+                for name, vscale in (("baseline", False), ("V-scale", True)):
+                    run = train(ws.setting_config(self.settings.sink_steps, seed, vscale), corpus, device=self.device,
+                                use_cache=self.settings.use_cache, progress=False)
+                    probe = probe_raw_values(run.model, ids) if vscale else probe_batch(run.model, ids)
+                    pairs[seed][name] = {**ws.probe_numbers(probe), "val loss": float(run.evals[-1]["val_loss"])}
+                    self.setting_models[f"{name} (seed {seed})"] = run.model
+                    seconds[f"{name} {seed}"] = 0.0 if run.from_cache else run.train_seconds
+                    if vscale:
+                        theta[seed] = learned_theta(run.model).numpy()
+            return ws.setting_finding(ws.seed_rows(pairs), theta, seconds)
+        return self._once("sink_setting", build)
+
+    def retrofit(self) -> Finding:
+        def build():
+            from . import gradient_sinks_with_sink as ws
+            self._retrofit = ws.retrofit_measurements(
+                ws.RetrofitConfig(model=self.settings.retrofit_model, steps=self.settings.retrofit_steps),
+                probe_batch_size=self.settings.real_batch, probe_context=self.settings.real_context,
+                device=self.device)
+            return ws.retrofit_finding(self._retrofit)
+        return self._once("retrofit", build)
+
+    def quantisation(self) -> Finding:
+        def build():
+            from . import gradient_sinks_with_sink as ws
+            rows = pd.DataFrame(self.sink_setting().data["rows"])
+            corpus = ws.corpus_for(ws.SETTING["data"])
+            batches = validation_batches(corpus.val_ids, 16, ws.SETTING["context"], corpus.bos_id, 4)
+            table = ws.quantisation_rows(self.setting_models, batches)
+            self.retrofit()
+            return ws.quantisation_finding(table, ws.removed_massive_activation(rows), self._retrofit)
+        return self._once("quantisation", build)
 
     def checks(self) -> Finding:
         return self._once("checks", lambda: checks_finding(

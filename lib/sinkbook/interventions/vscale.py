@@ -69,21 +69,57 @@ def _set_module(root: nn.Module, dotted: str, module: nn.Module) -> None:
 RETROFIT_THETA = -30.0       # C ~ 1e-9 of its default: v_hat / v = r / (r + C) is 1 to float precision at start
 
 
-def apply_vscale(model: nn.Module, sigma: float = SIGMA, theta: float = 0.0) -> nn.Module:
+def apply_vscale(model: nn.Module, sigma: float = SIGMA, theta=0.0) -> nn.Module:
     """Wrap every layer's value projection with V-scale (in place; returns the model). ``theta``: the initial
     value of every theta (the paper's 0 for training from scratch; ``RETROFIT_THETA`` to add V-scale to a
-    pretrained model as (nearly) the identity, so that training, not the insertion, moves it)."""
+    pretrained model as the identity to float precision), or a (layers, value heads) array of starts, e.g.
+    ``calibrated_theta``'s."""
     arch = arch_for(model)
     cfg = text_config(model)
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    starts = torch.as_tensor(theta, dtype=torch.float32)
+    if starts.ndim and tuple(starts.shape) != (len(decoder_layers(model)), n_kv):
+        raise ValueError(f"theta must be a number or a (layers, value heads) = ({len(decoder_layers(model))}, "
+                         f"{n_kv}) array, got shape {tuple(starts.shape)}")
     for i, layer in enumerate(decoder_layers(model)):
         proj = get_module(layer, arch.v_proj)
         if isinstance(proj, VScaledProjection):
             raise ValueError(f"layer {i} already has V-scale; apply_vscale was called twice")
         if not isinstance(proj, nn.Linear):
             raise TypeError(f"layer {i}: the value projection is {type(proj).__name__}, expected nn.Linear")
-        _set_module(layer, arch.v_proj, VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma, theta))
+        wrapped = VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma, 0.0)
+        with torch.no_grad():
+            wrapped.theta.copy_((starts[i] if starts.ndim else starts).expand(n_kv))
+        _set_module(layer, arch.v_proj, wrapped)
     return model
+
+
+@torch.no_grad()
+def calibrated_theta(model: nn.Module, input_ids: torch.Tensor, share: float, sigma: float = SIGMA) -> torch.Tensor:
+    """(layers, value heads) theta at which C is ``share`` x the head's median ||v_t||^2 on ``input_ids``.
+
+    A retrofit start that is (nearly) the identity but not inert: every value with ||v||^2 >= the median keeps at
+    least 1 / (1 + share) of itself, while C, and so the gradient that reaches theta, is not vanishingly small
+    (at ``RETROFIT_THETA`` the optimiser would hardly move theta at all)."""
+    if has_vscale(model):
+        raise ValueError("the model already has V-scale; calibrate before apply_vscale")
+    arch = arch_for(model)
+    cfg = text_config(model)
+    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    d_head = head_dim(model)
+    kept = {}
+    handles = [get_module(layer, arch.v_proj).register_forward_hook(
+        lambda m, a, out, i=i: kept.__setitem__(i, out.detach().float())) for i, layer in enumerate(decoder_layers(model))]
+    try:
+        model(input_ids=input_ids.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    rows = []
+    for i in sorted(kept):
+        sq = kept[i].unflatten(-1, (n_kv, d_head)).pow(2).sum(-1).flatten(0, -2)        # (B*T, heads)
+        rows.append(torch.log(share * sq.median(0).values / (cfg.hidden_size * d_head * sigma**2)))
+    return torch.stack(rows).cpu()
 
 
 def vscale_layers(model: nn.Module) -> list[VScaledProjection]:

@@ -3,7 +3,8 @@
 ``fit`` runs ``steps`` optimisation steps under Hugging Face accelerate, so the same code runs on the CPU, one
 GPU or several processes (DDP): the caller builds the model, the optimiser and a ``batch_at(step)`` function;
 ``fit`` sets the learning rate of each step, computes the loss, back-propagates, clips, steps, and calls the
-callbacks. It never decides what is trained: freeze parameters before calling it.
+callbacks. It never decides what is trained: freeze parameters before calling it. A parameter group with an
+``lr_scale`` entry runs at that multiple of the step's learning rate.
 
 Callbacks receive ``(step, model, record)`` after each step (``step`` counts finished steps, from 1); ``record``
 holds step, loss, lr, grad_norm, seconds. ``Every(n, fn)`` calls ``fn`` every n steps and at the last one, and
@@ -125,7 +126,7 @@ def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: 
         batch = _to(batch_at(step), accelerator.device)
         lr = lr_at(step)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         loss = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)

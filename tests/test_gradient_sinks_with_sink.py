@@ -1,0 +1,154 @@
+"""The second half of the gradient-sinks chapter: claims gated on what each needs, the retrofit's start, quantised
+evaluation leaving the model untouched, and the per-group learning-rate scale of the training loop."""
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from sinkbook.chapters import gradient_sinks_with_sink as ws
+from sinkbook.interventions.vscale import apply_vscale, calibrated_theta, learned_theta, vscale_values
+from sinkbook.training.loop import fit
+
+NUMBERS = {"median R_GS": 30.0, "Sink^eps middle": 1.0, "token-0 ratio": 1.5, "token-0 norm": 2.0,
+           "token-0 value norm / early": 0.4, "Bloat token 0": 3.0, "Bloat others": 1.0,
+           "median |log10 Change|": 0.02, "rho(norm, Compress)": -0.8, "val loss": 3.1}
+
+
+def _rows(seeds=(0, 1, 2), base=None, vscale=None, per_seed=None):
+    pairs = {}
+    for s in seeds:
+        b = {**NUMBERS, **(base or {})}
+        v = {**NUMBERS, "median R_GS": 5.0, "val loss": 3.105, **(vscale or {})}
+        if per_seed and s in per_seed:
+            v.update(per_seed[s])
+        pairs[s] = {"baseline": b, "V-scale": v}
+    return ws.seed_rows(pairs)
+
+
+def _by_id(claims):
+    return {c.id: c for c in claims}
+
+
+def test_a_sink_without_massive_activation_tests_the_sink_claims_only():
+    c = _by_id(ws.setting_claims(_rows(), theta={s: np.zeros((1, 1)) for s in (0, 1, 2)}))
+    assert c["bb_baseline_sink"].holds is True and c["bb_baseline_massive"].holds is False
+    assert c["bb_baseline_gradient_sink"].holds is True
+    assert c["bb_vscale_lowers_rgs"].holds is True and c["bb_vscale_keeps_sink"].holds is True
+    assert c["bb_vscale_loss_parity"].holds is True and c["bb_token0_value_small"].holds is True
+    for gated in ("bb_vscale_lowers_token0_norm", "bb_bloat_at_token0"):
+        assert c[gated].holds == "not comparable" and "massive" in c[gated].why_not_comparable
+    assert c["bb_theta_layer_pattern"].holds == "not comparable"      # one layer has no layer pattern
+
+
+def test_one_seed_against_the_paper_breaks_an_every_seed_rule():
+    c = _by_id(ws.setting_claims(_rows(per_seed={1: {"median R_GS": 40.0, "Sink^eps middle": 0.5}})))
+    assert c["bb_vscale_lowers_rgs"].holds is False
+    assert c["bb_vscale_keeps_sink"].holds is False
+    c = _by_id(ws.setting_claims(_rows(vscale={"val loss": 3.2})))
+    assert c["bb_vscale_loss_parity"].holds is False
+
+
+def test_without_a_sink_nothing_about_v_scale_is_compared():
+    c = _by_id(ws.setting_claims(_rows(base={"Sink^eps middle": 0.2})))
+    assert c["bb_baseline_sink"].holds is False
+    for id_ in ("bb_baseline_gradient_sink", "bb_vscale_lowers_rgs", "bb_vscale_keeps_sink", "bb_vscale_loss_parity"):
+        assert c[id_].holds == "not comparable"
+
+
+def test_with_massive_activation_the_norm_claims_are_compared():
+    c = _by_id(ws.setting_claims(_rows(base={"token-0 ratio": 8.0, "token-0 norm": 50.0},
+                                       vscale={"token-0 norm": 10.0})))
+    assert c["bb_baseline_massive"].holds is True and c["bb_vscale_lowers_token0_norm"].holds is True
+    assert ws.removed_massive_activation(_rows(base={"token-0 ratio": 8.0, "token-0 norm": 50.0},
+                                               vscale={"token-0 norm": 10.0}))[0] is True
+    assert ws.removed_massive_activation(_rows())[0] is False
+
+
+def test_seed_interval_is_the_t_interval():
+    text = ws.seed_interval([1.0, 2.0, 3.0])
+    half = 4.303 * 1.0 / np.sqrt(3)
+    assert text == f"{2.0:.3g} [{2 - half:.3g}, {2 + half:.3g}]"
+
+
+def test_calibrated_start_is_nearly_the_identity_and_not_inert(loaded_model):
+    loaded = loaded_model("tiny-llama")
+    model = copy.deepcopy(loaded.model).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 200, (2, 24))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    theta = calibrated_theta(model, ids, share=1e-4)
+    apply_vscale(model, theta=theta)
+    torch.testing.assert_close(learned_theta(model), theta)
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert (after - before).abs().max() < 1e-2 * before.abs().max()
+    # at the median value norm the valve keeps 1 / (1 + share) of the value; its theta gradient is not zero
+    d_model, d_head = model.config.hidden_size, model.config.hidden_size // model.config.num_attention_heads
+    c = d_model * d_head * 0.02 ** 2 * torch.exp(theta[0, 0])
+    v = torch.randn(d_head)
+    v = v / v.norm() * torch.sqrt(c / 1e-4)
+    kept = vscale_values(v[None, None, :], theta[0, :1], d_model)[0, 0].norm() / v.norm()
+    assert abs(float(kept) - 1 / (1 + 1e-4)) < 1e-6
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.theta.grad.abs().max() > 0 for m in model.modules() if hasattr(m, "theta"))
+    with pytest.raises(ValueError, match="already has V-scale"):
+        calibrated_theta(model, ids, 1e-4)
+    with pytest.raises(ValueError, match="layers, value heads"):
+        apply_vscale(copy.deepcopy(loaded.model), theta=np.zeros((1, 1)))
+
+
+def test_quantised_weights_leave_the_model_untouched_and_residual_hooks_go(loaded_model):
+    loaded = loaded_model("tiny-llama")
+    model = loaded.model.eval()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [torch.randint(0, 200, (2, 16))]
+    table = ws.quantisation_rows({"tiny": model}, batches)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert np.isfinite(table.drop(columns="model").to_numpy(dtype=float)).all()
+    assert table.loc[0, "int4 weights: loss increase"] != 0.0
+    assert not any(block._forward_pre_hooks for block in model.model.layers)
+
+
+def test_a_parameter_group_runs_at_its_lr_scale():
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr_scale": 10.0}], lr=0.1)
+    fit(model, optimizer, lambda step: torch.ones(2, 3), 1, lambda step: 0.1,
+        loss_fn=lambda m, b: m(b).sum(), clip=None, progress=False)
+    assert [g["lr"] for g in optimizer.param_groups] == [pytest.approx(0.1), pytest.approx(1.0)]
+
+
+def _retrofit_result(pre=None, plain=None, vs=None):
+    base = {"median R_GS": 30.0, "Sink^eps middle": 0.9, "token-0 ratio": 20.0, "token-0 norm": 100.0,
+            "val loss": 3.0}
+    quant = {f"{q}: loss increase": 0.01 for q in ws.QUANTISERS}
+    arms = {"pretrained": {**base, **(pre or {})}, "plain fine-tune": {**base, **(plain or {})},
+            "V-scale fine-tune": {**base, "token-0 norm": 40.0, "median R_GS": 10.0, **(vs or {})}}
+    return {"config": {"model": "m"}, "arms": {k: {"numbers": v, "quantisation": {**quant, "largest |h|": 1.0}}
+                                               for k, v in arms.items()}}
+
+
+def test_retrofit_claims_compare_with_the_plain_fine_tune_and_need_the_phenomena():
+    c = _by_id(ws.retrofit_claims(_retrofit_result()))
+    assert c["retrofit_lowers_token0_norm"].holds is True and c["retrofit_lowers_rgs"].holds is True
+    assert c["retrofit_keeps_sink"].holds is True and c["retrofit_loss_parity"].holds is True
+    c = _by_id(ws.retrofit_claims(_retrofit_result(vs={"val loss": 3.1, "Sink^eps middle": 0.3})))
+    assert c["retrofit_loss_parity"].holds is False and c["retrofit_keeps_sink"].holds is False
+    c = _by_id(ws.retrofit_claims(_retrofit_result(pre={"token-0 ratio": 2.0})))
+    assert all(x.holds == "not comparable" for x in c.values())
+
+
+def test_quantisation_claim_needs_a_removed_massive_activation():
+    setting = pd.DataFrame([{"model": "baseline (seed 0)", "largest |h|": 1.0,
+                             **{f"{q}: loss increase": 0.01 for q in ws.QUANTISERS}},
+                            {"model": "V-scale (seed 0)", "largest |h|": 1.0,
+                             **{f"{q}: loss increase": 0.001 for q in ws.QUANTISERS}}])
+    f = ws.quantisation_finding(setting, (False, "no massive activation"), _retrofit_result())
+    c = _by_id(f.claims)
+    assert c["bb_vscale_easier_to_quantise"].holds == "not comparable"
+    assert c["retrofit_easier_to_quantise"].holds is False          # equal increases: not easier
+    f = ws.quantisation_finding(setting, (True, ""), None)
+    assert _by_id(f.claims)["bb_vscale_easier_to_quantise"].holds is True
