@@ -137,6 +137,8 @@ def test_retrofit_claims_compare_with_the_plain_fine_tune_and_need_the_phenomena
     assert c["retrofit_keeps_sink"].holds is True and c["retrofit_loss_parity"].holds is True
     c = _by_id(ws.retrofit_claims(_retrofit_result(vs={"val loss": 3.1, "Sink^eps middle": 0.3})))
     assert c["retrofit_loss_parity"].holds is False and c["retrofit_keeps_sink"].holds is False
+    c = _by_id(ws.retrofit_claims(_retrofit_result(vs={"median R_GS": 29.0, "token-0 norm": 99.0})))
+    assert c["retrofit_lowers_rgs"].holds is False and c["retrofit_lowers_token0_norm"].holds is False  # noise, not halved
     c = _by_id(ws.retrofit_claims(_retrofit_result(pre={"token-0 ratio": 2.0})))
     assert all(x.holds == "not comparable" for x in c.values())
 

@@ -54,7 +54,7 @@ PROFILES = Profiles({
     "default": dict(size=None, sweep_sizes=["nano", "xs"], steps_by_size={"nano": 3000, "xs": 2500, "s": 1200},
                     steps=None, batch_size=16, context=128, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS,
                     real_batch=2, real_context=256, use_cache=True, sink_steps=2000, sink_seeds=[0, 1, 2],
-                    retrofit_model="smollm2-135m-instruct", retrofit_steps=60),
+                    retrofit_model="smollm2-135m-instruct", retrofit_steps=40),
     "gpu": dict(size=None, sweep_sizes=["s", "m", "l", "0.1b"],
                 steps_by_size={"s": 5000, "m": 5000, "l": 5000, "0.1b": 5000}, steps=None, batch_size=32,
                 context=256, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS, real_batch=8, real_context=512,

@@ -37,7 +37,10 @@ EVERY_SEED = "in every seed"
 HAS_SINK = Rule.true(f"Sink^eps(middle) >= {SINK_MIN:g} {EVERY_SEED}")
 HAS_MASSIVE = Rule.true(f"token-0 ratio (max, middle) >= {RATIO_MIN:g} {EVERY_SEED}")
 GRADIENT_SINK = Rule.between(10, 100, "median over seeds of median R_GS(0; 31)")
-LOWER = Rule.true(f"V-scale below the baseline {EVERY_SEED}")
+# "Lowers" means at least halved (ours; the paper's 0.3B reductions are 6.7x for R_GS and 5.5x for the token-0
+# norm). Set after a bare "<" passed a 0.2 % difference of a single retrofit run, which says nothing.
+LOWER_FACTOR = 0.5
+LOWER = Rule.true(f"V-scale <= {LOWER_FACTOR:g} x the baseline {EVERY_SEED}")
 KEEPS = Rule.true(f"V-scale Sink^eps >= {KEEP_SINK_SHARE:g} x the baseline's {EVERY_SEED}")
 PARITY = Rule.at_most(LOSS_TOLERANCE, "|mean over seeds of V-scale - baseline validation loss| (nats)")
 VALUE_SMALL = Rule.true(f"token 0's raw value norm below the mean of tokens 1-{RGS_T_E} {EVERY_SEED} "
@@ -46,7 +49,7 @@ CHANGE_NEAR_ONE = Rule.at_most(CHANGE_TOLERANCE, "largest over seeds of median |
 COMPRESS_FALLS = Rule.true(f"Spearman rho(log ||h||, log Compress^attn) < 0 {EVERY_SEED}")
 BLOAT_AT_TOKEN0 = Rule.true(f"median Bloat^attn of token 0 above the other tokens' {EVERY_SEED}")
 THETA_PATTERN = Rule.true("mean theta of the first half of the layers above the second half's (seed mean)")
-RETROFIT_LOWERS = Rule.true("after the V-scale fine-tune below the plain fine-tune's")
+RETROFIT_LOWERS = Rule.true(f"after the V-scale fine-tune <= {LOWER_FACTOR:g} x the plain fine-tune's")
 RETROFIT_KEEPS = Rule(f"V-scale >= {KEEP_SINK_SHARE:g} x plain fine-tune (factor ours)",
                       lambda pair: pair[1] >= KEEP_SINK_SHARE * pair[0])
 RETROFIT_PARITY = Rule(f"|V-scale - plain fine-tune| <= {LOSS_TOLERANCE:g} nats",
@@ -136,7 +139,7 @@ def setting_claims(rows: pd.DataFrame, theta: dict | None = None) -> list:
               precondition=sink_pre),
         claim("bb_vscale_lowers_rgs", "measured", f"{SRC}, Sec. 5 / Fig. 6",
               "V-scale lowers the median gradient-sink ratio", "strongly lowered", pair("median R_GS"), LOWER,
-              value=bool((vs["median R_GS"] < base["median R_GS"]).all()), precondition=sink_pre),
+              value=bool((vs["median R_GS"] <= LOWER_FACTOR * base["median R_GS"]).all()), precondition=sink_pre),
         claim("bb_vscale_keeps_sink", "measured", f"{SRC}, Sec. 5",
               "the attention sink survives V-scale", "kept", pair("Sink^eps middle"), KEEPS,
               value=bool((vs["Sink^eps middle"] >= KEEP_SINK_SHARE * base["Sink^eps middle"]).all()),
@@ -146,7 +149,7 @@ def setting_claims(rows: pd.DataFrame, theta: dict | None = None) -> list:
               precondition=sink_pre),
         claim("bb_vscale_lowers_token0_norm", "measured", f"{SRC}, Sec. 5",
               "V-scale lowers token 0's residual norm (massive activation)", "lowered", pair("token-0 norm"), LOWER,
-              value=bool((vs["token-0 norm"] < base["token-0 norm"]).all()), precondition=massive_pre),
+              value=bool((vs["token-0 norm"] <= LOWER_FACTOR * base["token-0 norm"]).all()), precondition=massive_pre),
         claim("bb_token0_value_small", "measured", f"{SRC}, App. / Fig. 12",
               "in the baseline, token 0's value state is much smaller than other early tokens'", "much smaller",
               seed_interval(base["token-0 value norm / early"]), VALUE_SMALL,
@@ -273,11 +276,11 @@ def quantisation_claim(id_: str, table: pd.DataFrame, without: str, with_: str, 
 @dataclasses.dataclass(frozen=True)
 class RetrofitConfig:
     model: str = "smollm2-135m-instruct"
-    steps: int = 60
+    steps: int = 40
     batch_size: int = 4
-    context: int = 128
+    context: int = 64
     lr: float = 1e-5
-    theta_lr: float = 1e-2       # theta starts far from where it acts; at the weights' lr it would barely move
+    theta_lr: float = 1e-1       # theta starts far from where it acts: at 1e-2 it moved < 0.6 in 60 steps (measured)
     start_share: float = 1e-4    # C starts at this share of each head's median ||v||^2: (nearly) the identity
     seed: int = 0
 
@@ -293,7 +296,9 @@ def fine_tune(model, windows: torch.Tensor, cfg: RetrofitConfig, vscale: bool, p
     calibration, pool = windows[: cfg.batch_size], windows[cfg.batch_size:]
     if vscale:
         before = mean_loss(model, [calibration])
-        apply_vscale(model, theta=calibrated_theta(model, calibration, cfg.start_share))
+        start = calibrated_theta(model, calibration, cfg.start_share)
+        apply_vscale(model, theta=start)
+        out["theta_start"] = start.numpy()
         out["start_loss_change"] = mean_loss(model, [calibration]) - before
     thetas = [p for n, p in model.named_parameters() if n.endswith(".theta")]
     others = [p for n, p in model.named_parameters() if not n.endswith(".theta")]
@@ -322,7 +327,7 @@ def retrofit_measurements(cfg: RetrofitConfig, probe_batch_size: int = 2, probe_
     from ..core.paths import cache_root, jsonable, write_json
     from ..training.corpus import heldout_text_windows
     key = hashlib.sha256(json.dumps({**dataclasses.asdict(cfg), "probe": [probe_batch_size, probe_context],
-                                     "eval_windows": eval_windows, "format": 1}, sort_keys=True).encode()).hexdigest()
+                                     "eval_windows": eval_windows, "format": 2}, sort_keys=True).encode()).hexdigest()
     path = cache_root() / "retrofit" / f"{key[:12]}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "from_cache": True}
@@ -345,7 +350,7 @@ def retrofit_measurements(cfg: RetrofitConfig, probe_batch_size: int = 2, probe_
         quant = quantisation_rows({arm: model}, [evaluation]).iloc[0].to_dict()
         out["arms"][arm] = {"numbers": numbers, "quantisation": quant,
                             "history": [{k: h[k] for k in ("step", "loss")} for h in record.get("history", [])],
-                            **{k: record[k] for k in ("seconds", "start_loss_change", "theta") if k in record}}
+                            **{k: record[k] for k in ("seconds", "start_loss_change", "theta", "theta_start") if k in record}}
         del loaded, model
     write_json(path, jsonable(out, strict=False), strict=False)
     return {**out, "from_cache": False}
@@ -365,10 +370,10 @@ def retrofit_claims(result: dict) -> list:
     return [
         claim("retrofit_lowers_token0_norm", "measured", src,
               f"V-scale added to {model} and fine-tuned lowers token 0's residual norm", "lowered",
-              both("token-0 norm", ".1f"), RETROFIT_LOWERS, value=vs["token-0 norm"] < plain["token-0 norm"],
+              both("token-0 norm", ".1f"), RETROFIT_LOWERS, value=vs["token-0 norm"] <= LOWER_FACTOR * plain["token-0 norm"],
               precondition=has, origin="ours"),
         claim("retrofit_lowers_rgs", "measured", src, "... and lowers the median gradient-sink ratio", "lowered",
-              both("median R_GS", ".2f"), RETROFIT_LOWERS, value=vs["median R_GS"] < plain["median R_GS"],
+              both("median R_GS", ".2f"), RETROFIT_LOWERS, value=vs["median R_GS"] <= LOWER_FACTOR * plain["median R_GS"],
               precondition=has, origin="ours"),
         claim("retrofit_keeps_sink", "measured", src, "... while the attention sink stays", "kept",
               both("Sink^eps middle", ".2f"), RETROFIT_KEEPS, value=(plain["Sink^eps middle"], vs["Sink^eps middle"]),
@@ -391,9 +396,11 @@ def retrofit_finding(result: dict) -> Finding:
              "Training time: " + ", ".join(f"{arm} {a['seconds']:.0f} s" for arm, a in arms.items() if "seconds" in a)
              + (" (from the cache)" if result.get("from_cache") else "")]
     if "theta" in vs:
-        theta = np.asarray(vs["theta"])
-        notes.append(f"Learned theta after the fine-tune: mean {theta.mean():+.2f}, range [{theta.min():+.2f}, "
-                     f"{theta.max():+.2f}] over {theta.size} (layer, head) values.")
+        theta, start = np.asarray(vs["theta"]), np.asarray(vs["theta_start"])
+        moved = theta - start
+        notes.append(f"theta over the {theta.size} (layer, head) values: start mean {start.mean():+.2f}, after the "
+                     f"fine-tune mean {theta.mean():+.2f} (range [{theta.min():+.2f}, {theta.max():+.2f}]); moved by "
+                     f"{moved.mean():+.2f} on average, by at most {np.abs(moved).max():.2f}.")
     return Finding(f"V-scale retrofit of pretrained {cfg['model']} (ours)", claims=retrofit_claims(result),
                    table=table, notes=notes)
 
@@ -406,7 +413,8 @@ def removed_massive_activation(rows: pd.DataFrame) -> tuple[bool, str]:
     if not (base["token-0 ratio"] >= RATIO_MIN).all():
         return False, (f"the synthetic baseline has no massive activation to remove (token-0 ratio "
                        f"{', '.join(f'{x:.2f}' for x in base['token-0 ratio'])}; threshold {RATIO_MIN:g})")
-    return bool((vs["token-0 norm"] < base["token-0 norm"]).all()), "V-scale did not lower the token-0 norm"
+    return (bool((vs["token-0 norm"] <= LOWER_FACTOR * base["token-0 norm"]).all()),
+            f"V-scale did not lower the token-0 norm to {LOWER_FACTOR:g} x the baseline's")
 
 
 def quantisation_finding(setting_table: pd.DataFrame, removed: tuple[bool, str], retrofit: dict | None) -> Finding:

@@ -44,11 +44,12 @@ PROFILES = Profiles({
                   merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=2),
     # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
     # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
-    # but task arithmetic, which with the adapted model's own base is the adapted model itself (its claim says so).
+    # but task arithmetic (with the adapted model's own base it is the adapted model itself; its claim says so),
+    # of both seeds. Frozen LLM, LoRA and text re-blending are the gpu profile's (and one command away here).
     "default": dict(interventions={"smollm2-135m-instruct": ["inject_qk_norm"],
                                    "gemma3-270m": ["protection", "fix_qk_norm"]},
                     seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=["gemma3-270m"],
-                    merge_seeds=[0],
+                    merge_seeds=[0, 1],
                     workers=2),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
                                                              "text_blend"],
@@ -130,6 +131,12 @@ def run_job(job: dict) -> str:
         result.update({"config": cfg.record(), "merge": job["merge"]})
         vl._write(path, result)
     return str(path)
+
+
+def _plain_run_trained(job: dict) -> bool:
+    from ..training.adapt import AdaptConfig, run_dir
+    cfg = AdaptConfig(**{**job["config"], "tasks": tuple(job["config"]["tasks"])})
+    return (run_dir(cfg, vl._hash(job["probe"])) / "run.json").exists()
 
 
 # ---- finding functions ------------------------------------------------------------------------------------------
@@ -508,8 +515,10 @@ class VLProtection:
                 job["device"] = resolve_device(self.s.device)
         workers = self.s.workers if cpu else 1
         paths = {}
-        for phase in (False, True):       # the merges read the trained runs, so they wait for them
-            mine = [i for i, job in enumerate(jobs) if (job["kind"] == "merge") == phase]
+        # A merge reads its plain run, so it waits for the runs unless that run is already trained (cached).
+        waits = [job["kind"] == "merge" and not _plain_run_trained(job) for job in jobs]
+        for phase in (False, True):
+            mine = [i for i, wait in enumerate(waits) if wait == phase]
             paths.update(zip(mine, vl.run_jobs([jobs[i] for i in mine], workers, run_job)))
         for i, job in enumerate(jobs):
             doc = json.loads(Path(paths[i]).read_text())
