@@ -21,6 +21,7 @@ from ..core.claims import Finding, Rule, claim
 from ..interventions.quantise import quantise_weights, quantised_residual
 from ..interventions.vscale import learned_theta
 from ..measures.gradprobes import RGS_T_E, ProbeResult, probe_batch
+from ..measures.regression import spearman_rho
 from ..training.corpus import validation_batches
 from ..training.scratch import TrainConfig
 from ..training.synthetic import corpus_for
@@ -31,7 +32,6 @@ SRC = "Gradient-sinks paper"
 # measurements/sink_emergence): 1 layer x 64 dims, 1 head, context 32, lr 1e-2, no weight decay.
 SETTING = dict(data="bb-64-3", shape=(1, 64, 1, 256), context=32, batch_size=16, lr=1e-2, weight_decay=0.0)
 CHANGE_TOLERANCE = 0.1                   # ours: "Change near 1" = median |log10 Change| <= 0.1 (within 26 %)
-T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 EVERY_SEED = "in every seed"
 HAS_SINK = Rule.true(f"Sink^eps(middle) >= {SINK_MIN:g} {EVERY_SEED}")
@@ -72,11 +72,6 @@ def setting_probe_ids(corpus) -> torch.Tensor:
     return validation_batches(corpus.val_ids, 16, SETTING["context"], corpus.bos_id, 1)[0]
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    rank = lambda a: pd.Series(a).rank().to_numpy()
-    return float(np.corrcoef(rank(x), rank(y))[0, 1])
-
-
 def probe_numbers(probe: ProbeResult, raw_value_norm: np.ndarray | None = None) -> dict:
     """What the claims read from one probe: the summary, the chapter's sink check, the Fig. 3 / Fig. 12 relations."""
     s, check_ = probe.summary(), sink_check(probe)
@@ -91,7 +86,7 @@ def probe_numbers(probe: ProbeResult, raw_value_norm: np.ndarray | None = None) 
             "token-0 value norm / early": float(np.median(values[:, :, 0] / values[:, :, 1:RGS_T_E + 1].mean(-1))),
             "Bloat token 0": float(np.median(bloat[:, :, 0])), "Bloat others": float(np.median(bloat[:, :, 1:])),
             "median |log10 Change|": float(np.median(log_change[np.isfinite(log_change)])),
-            "rho(norm, Compress)": _spearman(norms[related], log_compress[related])}
+            "rho(norm, Compress)": float(spearman_rho(norms[related], log_compress[related]))}
 
 
 def seed_rows(pairs: dict) -> pd.DataFrame:
@@ -106,7 +101,8 @@ def seed_interval(values) -> str:
     v = np.asarray(values, dtype=float)
     if len(v) < 2:
         return f"{v.mean():.3g} (one seed)"
-    half = T_95.get(len(v) - 1, 1.96) * v.std(ddof=1) / math.sqrt(len(v))
+    from scipy.stats import t
+    half = t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v))
     return f"{v.mean():.3g} [{v.mean() - half:.3g}, {v.mean() + half:.3g}]"
 
 
