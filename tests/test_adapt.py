@@ -231,3 +231,18 @@ def test_the_encoder_is_the_same_whatever_the_callers_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_the_probe_measures_the_sink_on_the_first_prompts_it_is_given(tiny_vlm):
+    from sinkbook.core.models import encode
+    from sinkbook.core.prompts import prompt_texts
+    from sinkbook.measures.margins import sink_state, window_layers
+    from sinkbook.training.probes import AdaptationProbe
+    vlm, loaded = tiny_vlm
+    probe = AdaptationProbe(loaded, window=2, arithmetic=0, vision=0, heldout_windows=1, heldout_length=16, prompts=3)
+    assert probe.batch["input_ids"].shape[0] == 3
+    direct = sink_state(loaded.model, encode(loaded.tokenizer, prompt_texts(3)), window_layers(loaded.model, 2))[0]
+    everything = sink_state(loaded.model, encode(loaded.tokenizer, prompt_texts()), window_layers(loaded.model, 2))[0]
+    out = probe(0, vlm, loaded, PromptFormat.for_tokenizer(loaded.tokenizer), "text")
+    assert out["S"] == pytest.approx(direct["S"], abs=1e-6) and out["S"] != pytest.approx(everything["S"], abs=1e-6)
+    assert out["margin_median_B"] == pytest.approx(0.0, abs=1e-5)     # the model is still its own reference

@@ -51,7 +51,7 @@ PROFILES = Profiles({
                   context=72, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS, real_batch=1, real_context=80,
                   use_cache=True, sink_steps=200, sink_seeds=[0], retrofit_model="tiny-llama", retrofit_steps=3),
     # default: each model trains in <= 10 minutes on 2 CPU cores (uncontended)
-    "default": dict(size=None, sweep_sizes=["nano", "xs"], steps_by_size={"nano": 3000, "xs": 2500, "s": 1200},
+    "default": dict(size=None, sweep_sizes=["nano", "xs"], steps_by_size={"nano": 3000, "xs": 1800, "s": 1200},
                     steps=None, batch_size=16, context=128, bos=True, seed=0, lr=3e-3, real_models=REAL_MODELS,
                     real_batch=2, real_context=256, use_cache=True, sink_steps=2000, sink_seeds=[0, 1, 2],
                     retrofit_model="smollm2-135m-instruct", retrofit_steps=40),

@@ -44,16 +44,17 @@ SINGLE_DIGIT = ("caption", "identify", "parity", "greater")
 
 PROFILES = Profiles({
     "quick": dict(models=["smollm2-135m-instruct"], seeds=[0], tasks=list(SINGLE_DIGIT), steps=6, stage1_steps=4, lr=2e-4, stage1_lr=3e-4,
-                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=0, arithmetic=12, knowledge=16,
+                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=0, probe_prompts=8, probe_heldout_windows=1, arithmetic=12, knowledge=16,
                   ifeval=8, ifeval_tokens=32, ifeval_base_models=False, vision=20, heldout_windows=2, window=10,
                   workers=2),
     "default": dict(models=["smollm2-135m-instruct", "gemma3-270m"], seeds=[0, 1], tasks=list(SINGLE_DIGIT), steps=60, stage1_steps=20,
-                    lr=2e-4, stage1_lr=3e-4, batch_size=4, probe_every=20, probe_arithmetic=16, probe_vision=0,
+                    lr=2e-4, stage1_lr=3e-4, batch_size=4, probe_every=20, probe_arithmetic=8, probe_vision=0,
+                    probe_prompts=8, probe_heldout_windows=1,
                     arithmetic=60, knowledge=103, ifeval=115, ifeval_tokens=48, ifeval_base_models=False, vision=100,
                     heldout_windows=8, window=10, workers=2),
     "gpu": dict(models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"], seeds=[0, 1, 2], tasks=list(TASKS), steps=1000,
                 stage1_steps=300, lr=2e-5, stage1_lr=1e-4, batch_size=32, probe_every=100, probe_arithmetic=60,
-                probe_vision=60, arithmetic=200, knowledge=103, ifeval=115, ifeval_tokens=256, ifeval_base_models=True,
+                probe_vision=60, probe_prompts=15, probe_heldout_windows=2, arithmetic=200, knowledge=103, ifeval=115, ifeval_tokens=256, ifeval_base_models=True,
                 vision=300, heldout_windows=32, window=10, workers=1),
 })
 # The task that compares the two models: a format-sensitive task both have headroom on (the paper's S ranks
@@ -89,7 +90,7 @@ def eval_spec(s) -> dict:
 
 def probe_spec(s) -> dict:
     return {"format": PROBE_FORMAT, "arithmetic": s.probe_arithmetic, "vision": s.probe_vision, "window": s.window,
-            "heldout_windows": 2}
+            "heldout_windows": s.probe_heldout_windows, "prompts": s.probe_prompts}
 
 
 def _hash(d: dict) -> str:
@@ -130,7 +131,7 @@ def run_job(job: dict) -> str:
     reference = load_model(cfg.model, device=device)
     probe = AdaptationProbe(reference, window=job["probe"]["window"], arithmetic=job["probe"]["arithmetic"],
                             vision=job["probe"]["vision"], heldout_windows=job["probe"]["heldout_windows"],
-                            tasks=cfg.tasks)
+                            prompts=job["probe"]["prompts"], tasks=cfg.tasks)
     run = adapt(cfg, probe=probe, probe_tag=tag, device=device, progress=job.get("progress", False))
     from ..training.remedies import CHANGES_NORMS
     result = evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality=cfg.modality, tasks=cfg.tasks,
@@ -369,11 +370,6 @@ def trajectory_table(runs: dict, models: list) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _change(traj: pd.DataFrame, column: str) -> float:
-    t = traj.sort_values("step")
-    return float(t[column].iloc[-1] - t[column].iloc[0])
-
-
 def _half_step(traj: pd.DataFrame, column: str, falling: bool = True) -> float:
     """The first probe step at which ``column`` has covered half of its total change (NaN if it did not move
     in the expected direction)."""
@@ -413,7 +409,10 @@ def erosion_finding(base: dict, runs: dict, models: list) -> Finding:
                                 row=r, col=c)
         learned = vision_learned(runs, model)[0]
         gate = (learned, "the vision runs did not learn the image task")
-        ds = {m: {s: _change(t, "S") for s, t in traj[(traj.model == model) & (traj.run == m)].groupby("seed")}
+        # The S change is read from the full evaluation (all calibration prompts) against the unadapted model's,
+        # not from the probes, which see fewer prompts; the LLM at the first probe is the unadapted one.
+        ds = {m: {seed: doc["sink"]["S"] - base[model]["sink"]["S"]
+                  for (mm, modality, seed), doc in sorted(runs.items()) if mm == model and modality == m}
               for m in ("vision", "text")}
         for modality, seeds in ds.items():
             for seed, value in seeds.items():

@@ -1,7 +1,7 @@
 """What an adaptation run measures on its way: the sink against the reference model, and text and vision skill.
 
-``AdaptationProbe(reference)`` is called by ``adapt`` every few steps (and before the first): on the 15
-calibration prompts it measures the sink of the language model being trained (S, strong-sink share, attention on
+``AdaptationProbe(reference)`` is called by ``adapt`` every few steps (and before the first): on the first
+``prompts`` calibration prompts (all 15 by default) it measures the sink of the language model being trained (S, strong-sink share, attention on
 the first token, Phi_LLM on the first token, token-0 norm ratio) and the Table 5 margin against the reference
 model's logits, stored once at construction; then the held-out text loss, a cheap subset of the strictly parsed
 arithmetic task, and, for vision runs, exact-match accuracy on held-out digit questions. Everything is a forward
@@ -55,8 +55,9 @@ def held_out_vision_examples(n: int, seed: int = VISION_SEED, tasks=TASKS):
 
 class AdaptationProbe:
     def __init__(self, reference: LoadedModel, window: int = 10, arithmetic: int = 24, vision: int = 20,
-                 heldout_windows: int = 4, heldout_length: int = 128, seed: int = 0, tasks=TASKS):
-        self.batch = encode(reference.tokenizer, prompt_texts(), device="cpu")
+                 heldout_windows: int = 4, heldout_length: int = 128, seed: int = 0, tasks=TASKS,
+                 prompts: int | None = None):
+        self.batch = encode(reference.tokenizer, prompt_texts(prompts), device="cpu")
         self.layers = window_layers(reference.model, window)
         self.reference_logits = sink_state(reference.model, _on(self.batch, reference.device), self.layers)[1]
         self.windows = heldout_text_windows(reference.tokenizer, heldout_windows, heldout_length)[0]
