@@ -246,3 +246,10 @@ def test_the_probe_measures_the_sink_on_the_first_prompts_it_is_given(tiny_vlm):
     out = probe(0, vlm, loaded, PromptFormat.for_tokenizer(loaded.tokenizer), "text")
     assert out["S"] == pytest.approx(direct["S"], abs=1e-6) and out["S"] != pytest.approx(everything["S"], abs=1e-6)
     assert out["margin_median_B"] == pytest.approx(0.0, abs=1e-5)     # the model is still its own reference
+
+
+def test_a_configuration_rebuilds_from_its_record_with_the_same_cache_key():
+    for cfg in (AdaptConfig("tiny-llama", "vision", steps=3, tasks=("parity", "caption")),
+                AdaptConfig("tiny-llama", "vision", seed=2, intervention="lora")):
+        again = AdaptConfig(**cfg.record())
+        assert again == cfg and again.key("x") == cfg.key("x") and isinstance(again.tasks, tuple)

@@ -123,7 +123,7 @@ def run_job(job: dict) -> str:
         return str(path)
     from ..training.adapt import AdaptConfig, adapt, run_dir
     from ..training.probes import AdaptationProbe
-    cfg = AdaptConfig(**{**job["config"], "tasks": tuple(job["config"]["tasks"])})
+    cfg = AdaptConfig(**job["config"])
     tag = _hash(job["probe"])
     path = run_dir(cfg, tag) / f"eval-{_hash(spec)}.json"
     if path.exists():

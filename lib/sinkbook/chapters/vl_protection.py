@@ -120,7 +120,7 @@ def run_job(job: dict) -> str:
         return str(path)
     from ..interventions.merging import merge_models
     from ..training.adapt import AdaptConfig, load_run, run_dir
-    cfg = AdaptConfig(**{**job["config"], "tasks": tuple(job["config"]["tasks"])})
+    cfg = AdaptConfig(**job["config"])
     directory = run_dir(cfg, vl._hash(job["probe"]))
     path = merge_eval_path(directory, job["merge"], spec)
     if not path.exists():
@@ -135,7 +135,7 @@ def run_job(job: dict) -> str:
 
 def _plain_run_trained(job: dict) -> bool:
     from ..training.adapt import AdaptConfig, run_dir
-    cfg = AdaptConfig(**{**job["config"], "tasks": tuple(job["config"]["tasks"])})
+    cfg = AdaptConfig(**job["config"])
     return (run_dir(cfg, vl._hash(job["probe"])) / "run.json").exists()
 
 

@@ -262,7 +262,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
 def load_run(directory: str | Path, device: str = "auto") -> AdaptedRun:
     directory = Path(directory)
     record = json.loads((directory / "run.json").read_text())
-    cfg = AdaptConfig(**{**record["config"], "tasks": tuple(record["config"]["tasks"])})
+    cfg = AdaptConfig(**record["config"])
     vlm, loaded, fmt = load_vlm(directory / "model", device=device)
     return AdaptedRun(cfg, vlm, loaded, fmt, record["history"], record["probes"], record["seconds"], True, directory,
                       record.get("intervention", {}))
