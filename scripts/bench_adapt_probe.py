@@ -43,7 +43,8 @@ def main() -> None:
     settings = PROFILES.resolve("default")
     spec = probe_spec(settings)
     probe = AdaptationProbe(reference, window=spec["window"], arithmetic=spec["arithmetic"], vision=spec["vision"],
-                            heldout_windows=spec["heldout_windows"], prompts=spec["prompts"],
+                            heldout_windows=spec["heldout_windows"], heldout_length=spec["heldout_length"],
+                            prompts=spec["prompts"],
                             tasks=tuple(settings.tasks))
     cfg = AdaptConfig(a.model, batch_size=settings.batch_size, tasks=tuple(settings.tasks))
     batch_at = _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 2, accelerator)

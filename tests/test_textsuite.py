@@ -287,6 +287,55 @@ def test_generation_stops_when_every_sequence_has_ended(loaded_model, monkeypatc
     assert len(calls) <= 2 and out == ["", ""]
 
 
+def test_common_prefix_leaves_every_sequence_a_token_of_its_own():
+    assert ts.common_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert ts.common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
+    assert ts.common_prefix_length([[7], [7, 8]]) == 0
+    assert ts.common_prefix_length([[1, 2], [3, 4]]) == 0
+
+
+SHARED = "Question: what comes after the worked examples below, in order, one at a time?\nAnswer: "
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_shared_prefix_generation_gives_the_plain_answers(loaded_model, family, monkeypatch):
+    loaded = loaded_model(f"tiny-{family}")
+    prompts = [SHARED + t for t in ("a", "a much longer tail here", "mid tail", "b")]
+    plain = ts.generate(loaded, prompts, chat=False, max_new_tokens=10, batch_size=3)
+    assert ts.generate(loaded, prompts, chat=False, max_new_tokens=10, batch_size=3, share_prefix=True) == plain
+    stops = ("e", "a")
+    assert (ts.generate(loaded, prompts, chat=False, max_new_tokens=10, stop=stops, share_prefix=True)
+            == ts.generate(loaded, prompts, chat=False, max_new_tokens=10, stop=stops))
+    # a sliding window shorter than the rows makes sharing inexact, so those models generate the plain way
+    shared = []
+    monkeypatch.setattr(ts, "greedy_shared_prefix", lambda *a, **k: shared.append(1) or [[] for _ in a[1]])
+    ts.generate(loaded, prompts, chat=False, max_new_tokens=10, share_prefix=True)
+    window = getattr(ts.text_config(loaded.model), "sliding_window", None)
+    assert bool(shared) == (window is None)
+
+
+def test_shared_prefix_gives_the_real_models_arithmetic_answers(real):
+    loaded = real
+    items = ts.arithmetic_items(8, seed=3)
+    plain = ts.run_arithmetic(loaded, items)["arithmetic_strict"].details["responses"]
+    assert ts.run_arithmetic(loaded, items, share_prefix=True)["arithmetic_strict"].details["responses"] == plain
+
+
+def test_the_shared_prefix_runs_once(loaded_model, monkeypatch):
+    loaded = loaded_model("tiny-llama")
+    shapes = []
+    original = loaded.model.forward
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loaded.model, "forward", recording)
+    ts.generate(loaded, [SHARED + "a", SHARED + "bcd"], chat=False, max_new_tokens=3, share_prefix=True)
+    prefix = len(loaded.tokenizer(SHARED + "a")["input_ids"]) - 1
+    assert shapes[0] == (1, prefix) and shapes[1] == (2, 3) and all(s == (2, 1) for s in shapes[2:])
+
+
 # ---- headroom and the suite ------------------------------------------------------------------------------
 
 def _result(score, chance, kind=ts.FORMAT, n=10):

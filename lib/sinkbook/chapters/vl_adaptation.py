@@ -36,6 +36,9 @@ FORMAT_TASKS = ("ifeval", "arithmetic_strict", "arithmetic_flexible")
 KNOWLEDGE_TASKS = ("knowledge_mc",)
 EVAL_FORMAT = 1                 # bump when what a job evaluates changes
 PROBE_FORMAT = 1                # bump when what a probe measures changes (it keys the cached training runs)
+# Probe sizes: the default profile keeps probing under a tenth of the training it watches (measured by
+# scripts/bench_adapt_probe.py on both models): the first 8 calibration prompts, one 64-token held-out window and
+# 8 arithmetic items whose shared prompt prefix (system prompt or worked examples) runs once.
 # The default probe leaves image accuracy to the final evaluation (100 held-out questions): along training it cost
 # as much as the rest of the probe, and no analysis reads it (scripts/bench_adapt_probe.py measures the overhead).
 
@@ -44,17 +47,17 @@ SINGLE_DIGIT = ("caption", "identify", "parity", "greater")
 
 PROFILES = Profiles({
     "quick": dict(models=["smollm2-135m-instruct"], seeds=[0], tasks=list(SINGLE_DIGIT), steps=6, stage1_steps=4, lr=2e-4, stage1_lr=3e-4,
-                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=0, probe_prompts=8, probe_heldout_windows=1, arithmetic=12, knowledge=16,
+                  batch_size=4, probe_every=3, probe_arithmetic=8, probe_vision=0, probe_prompts=8, probe_heldout_windows=1, probe_heldout_length=64, arithmetic=12, knowledge=16,
                   ifeval=8, ifeval_tokens=32, ifeval_base_models=False, vision=20, heldout_windows=2, window=10,
                   workers=2),
     "default": dict(models=["smollm2-135m-instruct", "gemma3-270m"], seeds=[0, 1], tasks=list(SINGLE_DIGIT), steps=60, stage1_steps=20,
                     lr=2e-4, stage1_lr=3e-4, batch_size=4, probe_every=20, probe_arithmetic=8, probe_vision=0,
-                    probe_prompts=8, probe_heldout_windows=1,
+                    probe_prompts=8, probe_heldout_windows=1, probe_heldout_length=64,
                     arithmetic=60, knowledge=103, ifeval=115, ifeval_tokens=48, ifeval_base_models=False, vision=100,
                     heldout_windows=8, window=10, workers=2),
     "gpu": dict(models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"], seeds=[0, 1, 2], tasks=list(TASKS), steps=1000,
                 stage1_steps=300, lr=2e-5, stage1_lr=1e-4, batch_size=32, probe_every=100, probe_arithmetic=60,
-                probe_vision=60, probe_prompts=15, probe_heldout_windows=2, arithmetic=200, knowledge=103, ifeval=115, ifeval_tokens=256, ifeval_base_models=True,
+                probe_vision=60, probe_prompts=15, probe_heldout_windows=2, probe_heldout_length=128, arithmetic=200, knowledge=103, ifeval=115, ifeval_tokens=256, ifeval_base_models=True,
                 vision=300, heldout_windows=32, window=10, workers=1),
 })
 # The task that compares the two models: a format-sensitive task both have headroom on (the paper's S ranks
@@ -90,7 +93,8 @@ def eval_spec(s) -> dict:
 
 def probe_spec(s) -> dict:
     return {"format": PROBE_FORMAT, "arithmetic": s.probe_arithmetic, "vision": s.probe_vision, "window": s.window,
-            "heldout_windows": s.probe_heldout_windows, "prompts": s.probe_prompts}
+            "heldout_windows": s.probe_heldout_windows, "heldout_length": s.probe_heldout_length,
+            "prompts": s.probe_prompts}
 
 
 def _hash(d: dict) -> str:
@@ -131,7 +135,8 @@ def run_job(job: dict) -> str:
     reference = load_model(cfg.model, device=device)
     probe = AdaptationProbe(reference, window=job["probe"]["window"], arithmetic=job["probe"]["arithmetic"],
                             vision=job["probe"]["vision"], heldout_windows=job["probe"]["heldout_windows"],
-                            prompts=job["probe"]["prompts"], tasks=cfg.tasks)
+                            heldout_length=job["probe"]["heldout_length"], prompts=job["probe"]["prompts"],
+                            tasks=cfg.tasks)
     run = adapt(cfg, probe=probe, probe_tag=tag, device=device, progress=job.get("progress", False))
     from ..training.remedies import CHANGES_NORMS
     result = evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality=cfg.modality, tasks=cfg.tasks,

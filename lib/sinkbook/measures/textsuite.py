@@ -229,15 +229,17 @@ def parse_flexible(response: str) -> int | None:
 
 
 def run_arithmetic(loaded, items: list[ArithmeticItem], chat: bool | None = None, shots: int | None = None,
-                   max_new_tokens: int = 8, batch_size: int = 16, context=None) -> dict[str, TaskResult]:
+                   max_new_tokens: int = 8, batch_size: int = 16, context=None,
+                   share_prefix: bool = False) -> dict[str, TaskResult]:
     """Greedy answers to the items, graded strictly and flexibly: {"arithmetic_strict", "arithmetic_flexible"}
-    (one generation, two parsers; both carry its time). Base format stops at the end of the answer line."""
+    (one generation, two parsers; both carry its time). Base format stops at the end of the answer line.
+    ``share_prefix``: see ``generate``."""
     chat = use_chat(loaded.tokenizer, chat)
     shots = resolve_shots(shots, chat, len(ARITHMETIC_SHOTS))
     start = time.perf_counter()
     prompts = [build_prompt(loaded.tokenizer, item.question, ARITHMETIC_SHOTS, chat, shots) for item in items]
     responses = generate(loaded, prompts, chat=chat, max_new_tokens=max_new_tokens,
-                         stop=() if chat else ("\n",), batch_size=batch_size, context=context)
+                         stop=() if chat else ("\n",), batch_size=batch_size, context=context, share_prefix=share_prefix)
     seconds = time.perf_counter() - start
     fmt = format_label(chat, shots)
     out = {}
@@ -545,13 +547,64 @@ class _StopWhenEnded:
         return done
 
 
+def common_prefix_length(sequences: list[list[int]]) -> int:
+    """Tokens every sequence starts with, leaving each at least one token of its own."""
+    n = min(len(s) for s in sequences) - 1
+    for i in range(max(n, 0)):
+        if any(s[i] != sequences[0][i] for s in sequences):
+            return i
+    return max(n, 0)
+
+
+def greedy_shared_prefix(model, sequences: list[list[int]], ends: list[int], max_new_tokens: int,
+                         done_text=None, pad: int = 0) -> list[list[int]]:
+    """Greedy continuations of token sequences that share a long prefix (a system prompt, worked examples):
+    the prefix runs once, its key/value cache is copied to every row, then each row's own tokens and the new
+    ones run on top. Rows are padded between the prefix and their own tokens (masked out; explicit positions keep
+    every real token where it would be alone). ``done_text(row_tokens)`` says whether a row may stop early (a
+    stop string); a row also stops at an end token. Returns the new tokens of each row, end token included."""
+    device = next(model.parameters()).device
+    n = common_prefix_length(sequences)
+    own = [s[n:] for s in sequences]
+    rows, width = len(own), max(len(s) for s in own)
+    ids, own_mask = left_pad(own, pad, device)
+    lengths = torch.tensor([n + len(s) for s in own], device=device)
+    positions = (lengths[:, None] - width + torch.arange(width, device=device)).clamp(min=0)
+    mask = torch.cat([torch.ones(rows, n, dtype=torch.long, device=device), own_mask], 1)
+    new = [[] for _ in range(rows)]
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    import inspect
+    # transformers 5.x renames the forward argument past_key_values to cache
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        cache = model(input_ids=torch.tensor([sequences[0][:n]], device=device), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(rows)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                       **{cache_arg: cache}).logits[:, -1]
+        for _ in range(max_new_tokens):
+            token = logits.argmax(-1)
+            for row in range(rows):
+                if not done[row]:
+                    new[row].append(int(token[row]))
+                    done[row] = new[row][-1] in ends or bool(done_text and done_text(new[row]))
+            if done.all():
+                break
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long, device=device)], 1)
+            logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=lengths[:, None],
+                           use_cache=True, **{cache_arg: cache}).logits[:, -1]
+            lengths = lengths + 1
+    return new
+
+
 def generate(loaded, prompts: list[str], chat: bool, max_new_tokens: int, stop: tuple = (),
-             batch_size: int = 16, context=None) -> list[str]:
+             batch_size: int = 16, context=None, share_prefix: bool = False) -> list[str]:
     """Greedy responses to fully formatted prompts (chat template applied, or few-shot text), in the order
     given. Batches are left-padded and sorted by length; a batch stops when all its sequences have ended.
     A response is the decoded text before the first end token and before the first stop string.
     ``context``: a zero-argument callable returning a context manager entered around each batch (e.g. an
-    intervention)."""
+    intervention). ``share_prefix``: run the prompts' common prefix once (``greedy_shared_prefix``; the same
+    greedy answers up to floating-point ties, at a fraction of the cost when the prefix is long), unless a sliding
+    attention window is shorter than the padded rows."""
     from transformers import StoppingCriteriaList
 
     tokenizer, model = loaded.tokenizer, loaded.model
@@ -561,6 +614,15 @@ def generate(loaded, prompts: list[str], chat: bool, max_new_tokens: int, stop: 
     out = [""] * len(prompts)
     for first in range(0, len(order), batch_size):
         chunk = order[first:first + batch_size]
+        if share_prefix and _window_covers(model, [encoded[k] for k in chunk], max_new_tokens):
+            def stopped(tokens):
+                return any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop)
+            with _entered(context):
+                news = greedy_shared_prefix(model, [encoded[k] for k in chunk], ends, max_new_tokens,
+                                            stopped if stop else None, pad)
+            for k, new in zip(chunk, news):
+                out[k] = _response(tokenizer, new, ends, stop)
+            continue
         ids, mask = left_pad([encoded[k] for k in chunk], pad, loaded.device)
         criteria = StoppingCriteriaList([_StopWhenEnded(tokenizer, ids.shape[1], ends, stop)])
         with torch.no_grad(), _entered(context):
@@ -568,13 +630,24 @@ def generate(loaded, prompts: list[str], chat: bool, max_new_tokens: int, stop: 
                                        do_sample=False, temperature=None, top_p=None, top_k=None,
                                        eos_token_id=ends, pad_token_id=pad, stopping_criteria=criteria)
         for row, k in enumerate(chunk):
-            new = generated[row, ids.shape[1]:].tolist()
-            cut = next((i for i, t in enumerate(new) if t in ends), len(new))
-            text = tokenizer.decode(new[:cut], skip_special_tokens=True)
-            for s in stop:
-                text = text.split(s, 1)[0]
-            out[k] = text
+            out[k] = _response(tokenizer, generated[row, ids.shape[1]:].tolist(), ends, stop)
     return out
+
+
+def _window_covers(model, sequences: list[list[int]], max_new_tokens: int) -> bool:
+    """Whether a sliding attention window (if any) spans every padded row: with padding between the shared prefix
+    and a row's own tokens, a window shorter than that would cut at other tokens than it does for the row alone."""
+    window = getattr(text_config(model), "sliding_window", None)
+    own = max(len(s) for s in sequences) - common_prefix_length(sequences)
+    return window is None or common_prefix_length(sequences) + own + max_new_tokens <= window
+
+
+def _response(tokenizer, new: list[int], ends, stop) -> str:
+    cut = next((i for i, t in enumerate(new) if t in ends), len(new))
+    text = tokenizer.decode(new[:cut], skip_special_tokens=True)
+    for s in stop:
+        text = text.split(s, 1)[0]
+    return text
 
 
 # ---- the suite --------------------------------------------------------------------------------------------
@@ -582,7 +655,7 @@ def generate(loaded, prompts: list[str], chat: bool, max_new_tokens: int, stop: 
 def run_suite(loaded, arithmetic: int | list = 60, knowledge: int | list | None = None,
               ifeval: int | list | None = None, chat: bool | None = None, seed: int = 0, shots: dict | None = None,
               arithmetic_tokens: int = 8, ifeval_tokens: int = 128, mc_style: str = "text",
-              batch_size: int = 16, context=None) -> dict[str, TaskResult]:
+              batch_size: int = 16, context=None, share_prefix: bool = False) -> dict[str, TaskResult]:
     """Run the suite; each task's argument is a size or an explicit item list, 0 skips it:
 
     - ``arithmetic``: n generated items (``arithmetic_items(n, seed)``) or a list of ArithmeticItem ->
@@ -601,7 +674,8 @@ def run_suite(loaded, arithmetic: int | list = 60, knowledge: int | list | None 
     results: dict[str, TaskResult] = {}
     if arithmetic:
         items = arithmetic_items(arithmetic, seed) if isinstance(arithmetic, int) else list(arithmetic)
-        results.update(run_arithmetic(loaded, items, chat, shots.get("arithmetic"), arithmetic_tokens, batch_size, context))
+        results.update(run_arithmetic(loaded, items, chat, shots.get("arithmetic"), arithmetic_tokens, batch_size, context,
+                                      share_prefix))
     if knowledge is None or knowledge:
         items = knowledge_items(knowledge, seed) if knowledge is None or isinstance(knowledge, int) else list(knowledge)
         results["knowledge_mc"] = run_knowledge(loaded, items, chat, shots.get("knowledge"), mc_style, batch_size, context)

@@ -4,8 +4,8 @@
 ``prompts`` calibration prompts (all 15 by default) it measures the sink of the language model being trained (S, strong-sink share, attention on
 the first token, Phi_LLM on the first token, token-0 norm ratio) and the Table 5 margin against the reference
 model's logits, stored once at construction; then the held-out text loss, a cheap subset of the strictly parsed
-arithmetic task, and, for vision runs, exact-match accuracy on held-out digit questions. Everything is a forward
-pass or a few greedy tokens, so a probe costs a few training steps.
+arithmetic task (its prompts' shared prefix run once), and, for vision runs, exact-match accuracy on held-out digit
+questions. Everything is a forward pass or a few greedy tokens, so a probe costs a few training steps.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class AdaptationProbe:
             state, _ = sink_state(vlm.llm, _on(self.batch, loaded.device), self.layers, self.reference_logits)
             out = {**state, "heldout_loss": float(heldout_loss(loaded, self.windows).loss)}
             if self.arithmetic:
-                suite = run_suite(loaded, arithmetic=self.arithmetic, knowledge=0, ifeval=0)
+                suite = run_suite(loaded, arithmetic=self.arithmetic, knowledge=0, ifeval=0, share_prefix=True)
                 out.update({name: result.score for name, result in suite.items()})
             if self.vision and modality == "vision":
                 out["vision_accuracy"] = vision_scores(vlm, loaded.tokenizer, self.vision, fmt)["accuracy"]
