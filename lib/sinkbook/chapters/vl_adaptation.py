@@ -36,8 +36,8 @@ FORMAT_TASKS = ("ifeval", "arithmetic_strict", "arithmetic_flexible")
 KNOWLEDGE_TASKS = ("knowledge_mc",)
 EVAL_FORMAT = 1                 # bump when what a job evaluates changes
 PROBE_FORMAT = 1                # bump when what a probe measures changes (it keys the cached training runs)
-# Probe sizes: the default profile keeps probing under a tenth of the training it watches (measured by
-# scripts/bench_adapt_probe.py on both models): the first 8 calibration prompts, one 64-token held-out window and
+# Probe sizes: the default profile's probe costs at most a tenth of the training it watches in
+# scripts/bench_adapt_probe.py, on both models: the first 8 calibration prompts, one 64-token held-out window and
 # 8 arithmetic items whose shared prompt prefix (system prompt or worked examples) runs once.
 # The default probe leaves image accuracy to the final evaluation (100 held-out questions): along training it cost
 # as much as the rest of the probe, and no analysis reads it (scripts/bench_adapt_probe.py measures the overhead).

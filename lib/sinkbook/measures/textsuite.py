@@ -38,6 +38,7 @@ at its floor (``headroom``): chance for knowledge tasks, 0 for generation tasks.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import random
@@ -573,7 +574,6 @@ def greedy_shared_prefix(model, sequences: list[list[int]], ends: list[int], max
     mask = torch.cat([torch.ones(rows, n, dtype=torch.long, device=device), own_mask], 1)
     new = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    import inspect
     # transformers 5.x renames the forward argument past_key_values to cache
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
