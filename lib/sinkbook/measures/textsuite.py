@@ -638,8 +638,7 @@ def _window_covers(model, sequences: list[list[int]], max_new_tokens: int) -> bo
     """Whether a sliding attention window (if any) spans every padded row: with padding between the shared prefix
     and a row's own tokens, a window shorter than that would cut at other tokens than it does for the row alone."""
     window = getattr(text_config(model), "sliding_window", None)
-    own = max(len(s) for s in sequences) - common_prefix_length(sequences)
-    return window is None or common_prefix_length(sequences) + own + max_new_tokens <= window
+    return window is None or max(len(s) for s in sequences) + max_new_tokens <= window     # padded row width
 
 
 def _response(tokenizer, new: list[int], ends, stop) -> str:
