@@ -5,7 +5,7 @@ without them, measured in one run (alternating blocks, so a slow spell of a shar
 
 Each block trains ``every`` steps and, in the probed variant, runs one probe (the probe of
 ``sinkbook.training.probes.AdaptationProbe`` with the sizes of the vision-language chapter's default profile,
-read from the chapter, so the benchmark follows the chapter when its profile changes). The ratio
+read from ``runs.adaptation.RECIPE``, so the benchmark follows the chapters when their profile changes). The ratio
 (probed time) / (plain time) is the cost of probing per training step, amortised the way the chapter pays it.
 Target of ours: at most 1.10.
 """
@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from sinkbook.chapters.vl_adaptation import PROFILES, probe_spec
 from sinkbook.core.models import load_model
+from sinkbook.runs.adaptation import RECIPE, probe_spec
 from sinkbook.training.adapt import AdaptConfig, _batch_maker, trainable_parameters, vision_encoder
+from sinkbook.training.loop import fit
 from sinkbook.training.probes import AdaptationProbe
 from sinkbook.training.vlm import PromptFormat, build_vlm
 
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=None, help="training steps per probe (default: the chapter's probe_every)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    a.every = a.every or PROFILES.resolve("default").probe_every
+    a.every = a.every or RECIPE.resolve("default").probe_every
     torch.set_num_threads(a.threads)
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)
@@ -40,7 +41,7 @@ def main() -> None:
     reference = load_model(a.model, device="cpu")
     fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
     vlm = build_vlm(loaded, vision_encoder("cpu"))
-    settings = PROFILES.resolve("default")
+    settings = RECIPE.resolve("default")
     spec = probe_spec(settings)
     probe = AdaptationProbe(reference, window=spec["window"], arithmetic=spec["arithmetic"], vision=spec["vision"],
                             heldout_windows=spec["heldout_windows"], heldout_length=spec["heldout_length"],
@@ -54,14 +55,10 @@ def main() -> None:
 
     def train(n):
         nonlocal step
-        vlm.train()
-        for _ in range(n):
-            loss = vlm(**batch_at(step))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            step += 1
+        first = step
+        fit(vlm, optimizer, lambda i: batch_at(first + i), n, lambda i: 1e-5, loss_fn=lambda model, batch: model(**batch),
+            clip=1.0, accelerator=accelerator, progress=False)
+        step += n
 
     train(2)                                             # warm-up: first calls allocate
     rows = []

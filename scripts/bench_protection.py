@@ -19,10 +19,11 @@ import time
 
 import torch
 
-from sinkbook.chapters.vl_adaptation import PROFILES
 from sinkbook.core.models import load_model
 from sinkbook.interventions.protection import calibrate_protection
+from sinkbook.runs.adaptation import RECIPE
 from sinkbook.training.adapt import AdaptConfig, _batch_maker, trainable_parameters, vision_encoder
+from sinkbook.training.loop import fit
 from sinkbook.training.remedies import calibration_batch
 from sinkbook.training.vlm import PromptFormat, build_vlm
 
@@ -36,12 +37,13 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from accelerate import Accelerator
-    settings = PROFILES.resolve("default")
+    settings = RECIPE.resolve("default")
     loaded = load_model(a.model, device="cpu")
     fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
     vlm = build_vlm(loaded, vision_encoder("cpu"))
     cfg = AdaptConfig(a.model, batch_size=settings.batch_size, tasks=tuple(settings.tasks))
-    batch_at = _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 2, Accelerator(cpu=True))
+    accelerator = Accelerator(cpu=True)
+    batch_at = _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 2, accelerator)
     params = trainable_parameters(vlm, 2)
     optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     protection = calibrate_protection(vlm.llm, calibration_batch(loaded))
@@ -54,20 +56,15 @@ def main() -> None:
         if variant is not None:
             variant.attach(vlm.llm, optimizer)
         try:
-            start = time.perf_counter()
-            for _ in range(n):
-                loss = vlm(**batch_at(step))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                step += 1
+            first, start = step, time.perf_counter()
+            fit(vlm, optimizer, lambda i: batch_at(first + i), n, lambda i: 1e-5,
+                loss_fn=lambda model, batch: model(**batch), clip=1.0, accelerator=accelerator, progress=False)
+            step += n
             return time.perf_counter() - start
         finally:
             if variant is not None:
                 variant.detach()
 
-    vlm.train()
     for variant in (None, frozen_only, protection):     # warm-up: first calls allocate
         train(2, variant)
     rows = []

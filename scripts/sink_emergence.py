@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sinkbook.chapters.gradient_sinks import sink_check
-from sinkbook.measures.gradprobes import probe_batch
+from sinkbook.measures.gradprobes import probe_batch, sink_check
 from sinkbook.training.corpus import validation_batches
 from sinkbook.training.loop import Every
 from sinkbook.training.scratch import SIZES, TrainConfig, train, validation_loss

@@ -12,7 +12,11 @@ from sinkbook.core.claims import NOT_COMPARABLE
 from sinkbook.core.models import TINY_FAMILIES
 from sinkbook.core.paths import REPO_ROOT
 from sinkbook.core.profiles import SettingsError
-from sinkbook.measures.gradprobes import ProbeResult
+from sinkbook.core.published import reported_0p3b
+from sinkbook.interventions.vscale import probe_raw_values, valve_constant
+from sinkbook.measures.criteria import late_query_attention, uniform_share
+from sinkbook.measures.gradprobes import SINK_MIN, ProbeResult, sink_check
+from sinkbook.runs.gradient_sinks import EMERGENCE_DIR, load_emergence_runs, training_trajectory
 
 
 def fake_probe(r_gs=20.0, sink=0.9, ratio=8.0, key_spike=2.0, value_spike=3.0, q0=0.0, layers=4, tokens=40,
@@ -43,7 +47,7 @@ def _vscale(base=PAPER_BASE, vs=PAPER_VS, losses=(2.917, 2.907)):
 
 
 def test_reported_numbers_are_read_from_the_data_file():
-    paper = gs.reported_0p3b()
+    paper = reported_0p3b()
     assert paper["median_r_gs"] == (40, 6) and paper["token0_norm_mean"] == (1916, 346)
     assert paper["token0_ratio_mean"] == (11.1, 3.0) and paper["val_loss"] == (2.917, 2.907)
     table = gs.paper_values_finding().table
@@ -89,15 +93,15 @@ def test_vscale_claims_need_the_sink_and_the_massive_activation(sink, ratio, mis
         assert c[key].holds == NOT_COMPARABLE, key
         assert missing in c[key].why_not_comparable
     theta = gs.theta_claims(np.array([[0.5, 0.1], [0.2, 0.3], [-0.1, 0.2], [-0.4, -0.2]]),
-                            gs.sink_check(fake_probe(sink=sink, ratio=ratio)))
+                            sink_check(fake_probe(sink=sink, ratio=ratio)))
     assert all(t.holds == NOT_COMPARABLE for t in theta)
     # the gradient sink itself needs only the attention sink
-    assert (c["baseline_gradient_sink"].holds == NOT_COMPARABLE) == (sink < gs.SINK_MIN)
+    assert (c["baseline_gradient_sink"].holds == NOT_COMPARABLE) == (sink < SINK_MIN)
     assert "not comparable" in finding.notes[0]
 
 
 def test_theta_pattern_claims_read_the_sign_and_the_order():
-    both = gs.sink_check(fake_probe())
+    both = sink_check(fake_probe())
     c = {x.id: x for x in gs.theta_claims(np.array([[0.5, 0.1], [0.2, 0.3], [-0.1, 0.2], [-0.4, -0.2]]), both)}
     assert c["vscale_theta_layer_pattern"].holds is True and c["vscale_theta_late_negative"].holds is True
     assert c["vscale_theta_late_negative"].our_value.startswith("75%")   # 3 of the 4 later-half values
@@ -109,25 +113,9 @@ def test_theta_pattern_claims_read_the_sign_and_the_order():
 def test_theta_finding_compares_raw_value_norms_with_the_valve_constant():
     theta = np.zeros((2, 4))
     finding = gs.theta_finding(theta, np.ones((2, 4, 40)), d_model=64, d_head=16,
-                               base_check=gs.sink_check(fake_probe()))
+                               base_check=sink_check(fake_probe()))
     assert len(finding.figures) == 1 and len(finding.claims) == 2 and "+0.000" in finding.notes[0]
-    np.testing.assert_allclose(gs.valve_constant(theta, 64, 16), 64 * 16 * 0.02**2)
-
-
-def test_pretrained_claims_are_gated_on_the_models_sink():
-    real = {"tiny-llama": fake_probe(r_gs=1.5, sink=0.0, ratio=1.0), "smollm2-135m-instruct": fake_probe(r_gs=24)}
-    finding = gs.pretrained_finding(real, {"baseline": fake_probe()}, "xs", skipped={"gone": "no file"})
-    c = {x.id: x for x in finding.claims}
-    assert set(c) == {"tiny_llama_rgs_range", "tiny_llama_value_spike", "smollm2_135m_instruct_rgs_range",
-                      "smollm2_135m_instruct_value_spike"}
-    assert c["tiny_llama_rgs_range"].holds == NOT_COMPARABLE and c["tiny_llama_value_spike"].holds == NOT_COMPARABLE
-    assert c["smollm2_135m_instruct_rgs_range"].holds is True
-    assert c["smollm2_135m_instruct_value_spike"].holds is True          # value 3x, key 2x
-    assert any("gone: not available" in n for n in finding.notes)
-    assert any("tiny-llama shows no attention sink" in n for n in finding.notes)
-    assert list(finding.table.columns) == list(real)
-    nothing = gs.pretrained_finding({}, {}, "xs", skipped={"gone": "no file"})
-    assert not nothing.claims and nothing.notes
+    np.testing.assert_allclose(valve_constant(theta, 64, 16), 64 * 16 * 0.02**2)
 
 
 @pytest.mark.parametrize("q0, holds", [(0.0, True), (5e-6, True), (1e-3, False)])
@@ -204,14 +192,14 @@ ROWS = [{"step": 500, "sink_rate_middle": 0.0, "token0_ratio_middle_max": 2.0, "
 
 
 def test_emergence_runs_read_batch_and_context_fields_and_old_files(tmp_path):
-    assert gs.load_emergence_runs(tmp_path).empty
-    assert gs.recorded_runs_finding(gs.load_emergence_runs(tmp_path)).notes[0].startswith("No recorded runs")
+    assert load_emergence_runs(tmp_path).empty
+    assert gs.recorded_runs_finding(load_emergence_runs(tmp_path)).notes[0].startswith("No recorded runs")
     # new schema: batch and context are fields (the command string is not parsed)
     (tmp_path / "new.json").write_text(json.dumps({"command": "x --batch 99", "status": "complete", "batch": 8,
                                                    "context": 64, "rows": ROWS}))
     # old schema: no such fields; those runs used the script's defaults, TrainConfig's 16 x 128
     (tmp_path / "old.json").write_text(json.dumps({"command": "x", "status": "complete", "rows": ROWS}))
-    runs = gs.load_emergence_runs(tmp_path)
+    runs = load_emergence_runs(tmp_path)
     assert list(runs.run) == ["new", "new", "old", "old"]
     assert list(runs["tokens (M)"]) == [500 * 8 * 64 / 1e6, 1000 * 8 * 64 / 1e6,
                                         500 * 16 * 128 / 1e6, 1000 * 16 * 128 / 1e6]
@@ -220,7 +208,7 @@ def test_emergence_runs_read_batch_and_context_fields_and_old_files(tmp_path):
 
 
 def test_recorded_runs_in_the_repository_load():
-    shipped = gs.load_emergence_runs()
+    shipped = load_emergence_runs()
     assert {"xs-8000", "nano-8000"} <= set(shipped.run)
     assert shipped.command.str.contains("scripts/sink_emergence.py").all()
     assert shipped.loc[shipped.run == "xs-8000", "tokens (M)"].max() == pytest.approx(8000 * 16 * 128 / 1e6)
@@ -236,10 +224,10 @@ def test_sink_emergence_script_writes_the_schema_the_chapter_reads(tmp_path, mon
     assert doc["status"] == "complete" and doc["batch"] == 2 and doc["context"] == 40
     assert doc["command"].startswith(".venv/bin/python scripts/sink_emergence.py --size nano")
     assert [r["step"] for r in doc["rows"]] == [2, 4]
-    old_keys = set(json.loads((gs.EMERGENCE_DIR / "nano-8000.json").read_text())["rows"][0])
+    old_keys = set(json.loads((EMERGENCE_DIR / "nano-8000.json").read_text())["rows"][0])
     assert set(doc["rows"][0]) == old_keys
-    assert set(json.loads((gs.EMERGENCE_DIR / "nano-8000.json").read_text())) <= set(doc)
-    runs = gs.load_emergence_runs(tmp_path)
+    assert set(json.loads((EMERGENCE_DIR / "nano-8000.json").read_text())) <= set(doc)
+    runs = load_emergence_runs(tmp_path)
     assert list(runs["tokens (M)"]) == [2 * 2 * 40 / 1e6, 4 * 2 * 40 / 1e6]
 
 
@@ -267,7 +255,7 @@ def test_training_trajectory_probes_every_checkpoint():
     models = [(step, _nano(seed=step)) for step in (2, 4)]
     ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     ids[:, 0] = 0
-    table = gs.training_trajectory(models, ids)
+    table = training_trajectory(models, ids)
     assert list(table.step) == [2, 4]
     direct = probe_batch(models[1][1], ids)
     assert table["largest alpha_0 of a head"].iloc[1] == float(direct.alpha0.max())
@@ -280,7 +268,7 @@ def test_late_query_attention_matches_eager_attention_weights():
     ids[:, 0] = 0
     masks = {"bos": torch.zeros_like(ids, dtype=torch.bool), "odd": ids % 2 == 1}
     masks["bos"][:, 0] = True
-    got = gs.late_query_attention(model, ids, masks, first_query=8)
+    got = late_query_attention(model, ids, masks, first_query=8)
     model.set_attn_implementation("eager")
     with torch.no_grad():
         attn = torch.stack(model(ids, output_attentions=True).attentions)   # (L, B, H, T, S)
@@ -293,11 +281,11 @@ def test_late_query_attention_matches_eager_attention_weights():
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.zero_()
-    flat = gs.late_query_attention(model, ids, masks, first_query=8)
-    np.testing.assert_allclose(flat["odd"], gs.uniform_share(masks["odd"], 8), rtol=1e-5)
-    np.testing.assert_allclose(flat["bos"], gs.uniform_share(masks["bos"], 8), rtol=1e-5)
+    flat = late_query_attention(model, ids, masks, first_query=8)
+    np.testing.assert_allclose(flat["odd"], uniform_share(masks["odd"], 8), rtol=1e-5)
+    np.testing.assert_allclose(flat["bos"], uniform_share(masks["bos"], 8), rtol=1e-5)
     with pytest.raises(ValueError, match="no query"):
-        gs.late_query_attention(model, ids[:, :8], masks, first_query=8)
+        late_query_attention(model, ids[:, :8], masks, first_query=8)
 
 
 def test_vscale_probe_takes_the_value_path_before_vscale():
@@ -308,7 +296,7 @@ def test_vscale_probe_takes_the_value_path_before_vscale():
     model = apply_vscale(_nano())
     ids = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(2))
     ids[:, 0] = 0
-    raw, after = gs.probe_raw_values(model, ids), probe_batch(model, ids)
+    raw, after = probe_raw_values(model, ids), probe_batch(model, ids)
     np.testing.assert_allclose(raw.grad_h_tilde, after.grad_h_tilde, rtol=1e-6)
     assert raw.grad_v.shape == after.grad_v.shape and not np.allclose(raw.grad_v, after.grad_v)
     np.testing.assert_allclose(raw.value_norm, raw_value_norms(model, ids).numpy(), rtol=1e-6)
@@ -317,15 +305,15 @@ def test_vscale_probe_takes_the_value_path_before_vscale():
 # ---- profiles and the whole chapter --------------------------------------------------------------------------
 
 def test_profile_parameters():
-    chapter = gs.GradientSinks(gs.PROFILES.resolve("quick", steps=7))
-    assert chapter.steps == {"nano": 7}
-    assert gs.GradientSinks(gs.PROFILES.resolve("default", size="xs")).sweep_sizes == ["xs"]
+    chapter = gs.GradientSinksChapter(gs.PROFILES.resolve("quick", steps=7))
+    assert chapter.runs.steps == {"nano": 7}
+    assert gs.GradientSinksChapter(gs.PROFILES.resolve("default", size="xs")).runs.sweep_sizes == ["xs"]
     with pytest.raises(SettingsError, match="unknown sizes"):
-        gs.GradientSinks(gs.PROFILES.resolve("quick", sweep_sizes=["huge"]))
+        gs.GradientSinksChapter(gs.PROFILES.resolve("quick", sweep_sizes=["huge"]))
     with pytest.raises(SettingsError, match="no step count"):
-        gs.GradientSinks(gs.PROFILES.resolve("quick", sweep_sizes=["xs"]))
+        gs.GradientSinksChapter(gs.PROFILES.resolve("quick", sweep_sizes=["xs"]))
     with pytest.raises(SettingsError, match="steps"):
-        gs.GradientSinks(gs.PROFILES.resolve("quick", steps="many"))
+        gs.GradientSinksChapter(gs.PROFILES.resolve("quick", steps="many"))
 
 
 @pytest.fixture
@@ -338,12 +326,10 @@ def private_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def test_quick_profile_runs_on_tiny_models_of_every_family(private_cache, tmp_path):
-    """The chapter end to end on the quick profile, with a tiny random model of every family as the
-    'pretrained' models: they have no sink, so their claims are not comparable, and nothing raises."""
+def test_quick_profile_runs_end_to_end(private_cache, tmp_path):
+    """The chapter end to end on the quick profile: a 60-step nano model, nothing raises."""
     from sinkbook.book.results import write_results
-    specs = [f"tiny-{family}" for family in TINY_FAMILIES]
-    chapter = gs.GradientSinks(gs.PROFILES.resolve("quick", device="cpu", real_models=specs))
+    chapter = gs.GradientSinksChapter(gs.PROFILES.resolve("quick", device="cpu"))
     for name in chapter.FINDINGS:
         finding = getattr(chapter, name)()
         assert finding.title
@@ -352,13 +338,8 @@ def test_quick_profile_runs_on_tiny_models_of_every_family(private_cache, tmp_pa
     doc = json.loads(path.read_text())
     ids = [c["id"] for c in doc["claims"]]
     assert len(ids) == len(set(ids))
-    for spec in specs:
-        for suffix in ("rgs_range", "value_spike"):
-            c = next(c for c in doc["claims"] if c["id"] == f"{gs.slug(spec)}_{suffix}")
-            assert c["holds"] == NOT_COMPARABLE and "no attention sink" in c["why_not_comparable"]
     checks = [c for c in doc["claims"] if c["must_hold"]]
     assert {c["id"] for c in checks} == {"grad_q0_zero", "probes_finite"} and all(c["holds"] is True for c in checks)
-    assert {m["spec"] for m in doc["models"]} == set(specs)
     assert doc["parameters"]["profile"] == "quick" and doc["extra"]["chosen_size"] == "nano"
     # a 60-step nano model has no sink: every V-scale claim is not comparable
     assert all(c["holds"] == NOT_COMPARABLE for c in doc["claims"] if c["id"].startswith("vscale_"))

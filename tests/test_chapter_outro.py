@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from sinkbook.chapters import outro as C
+from sinkbook.interventions.outro import persistent_sinks
+from sinkbook.measures.regression import pearson
+from sinkbook.measures.stats import min_pairs_to_decide
+from sinkbook.runs import outro_text as R
 from sinkbook.core.claims import NOT_COMPARABLE
 from sinkbook.core.hooks import hook_count
 from sinkbook.core.models import TINY_FAMILIES, load_model
@@ -18,26 +22,26 @@ def _by_id(finding):
 # ---- constants and small helpers -----------------------------------------------------------------------------
 
 def test_the_fewest_prompts_mcnemar_can_decide_on():
-    assert C.min_pairs_to_decide(0.05) == 6          # 2 / 2^6 = 0.031 < 0.05 <= 2 / 2^5
-    assert C.min_pairs_to_decide(0.01) == 8
+    assert min_pairs_to_decide(0.05) == 6          # 2 / 2^6 = 0.031 < 0.05 <= 2 / 2^5
+    assert min_pairs_to_decide(0.01) == 8
 
 
 def test_ifeval_setting_names():
-    assert C.ifeval_options("baseline", 1.0) is None
-    assert C.ifeval_options("outro", 2.0) == {"gamma": 2.0}
-    assert C.ifeval_options("rotate", 1.0) == {"gamma": 1.0, "relax": False}
-    assert C.ifeval_options("rotate_head_mean", 1.0)["direction"] == "head_mean"
-    assert C.ifeval_options("outro_gamma_3.0", 1.0) == {"gamma": 3.0}
+    assert R.ifeval_options("baseline", 1.0) is None
+    assert R.ifeval_options("outro", 2.0) == {"gamma": 2.0}
+    assert R.ifeval_options("rotate", 1.0) == {"gamma": 1.0, "relax": False}
+    assert R.ifeval_options("rotate_head_mean", 1.0)["direction"] == "head_mean"
+    assert R.ifeval_options("outro_gamma_3.0", 1.0) == {"gamma": 3.0}
     with pytest.raises(ValueError, match="unknown IFEval setting"):
-        C.ifeval_options("sideways", 1.0)
+        R.ifeval_options("sideways", 1.0)
 
 
 def test_persistent_sinks_and_pearson():
     found = {l: torch.tensor([[l < 2, True, l == 1, False]]) for l in range(6)}
-    assert C.persistent_sinks(found).tolist() == [[False, True, False, False]]
-    assert C.pearson([1.0, 2, 3], [2.0, 4, 6.5]) > 0.99
-    assert C.pearson([1.0, 2, 3], [3.0, 2, 1]) == pytest.approx(-1.0)
-    assert np.isnan(C.pearson([1.0, 1, 1], [1.0, 2, 3]))
+    assert persistent_sinks(found).tolist() == [[False, True, False, False]]
+    assert pearson([1.0, 2, 3], [2.0, 4, 6.5]) > 0.99
+    assert pearson([1.0, 2, 3], [3.0, 2, 1]) == pytest.approx(-1.0)
+    assert np.isnan(pearson([1.0, 1, 1], [1.0, 2, 3]))
 
 
 def test_select_gamma_takes_the_lowest_mean_loss_and_the_smaller_on_ties():
@@ -72,10 +76,10 @@ def test_sinks_finding_gates_on_a_sink_and_keeps_the_checks():
 def _redistribution(sink_change, less="delimiter"):
     L, B = 6, 2
     base = np.zeros((L, B, 3))
-    base[..., C.SINK], base[..., C.DELIMITER], base[..., C.CONTENT] = 0.5, 0.2, 0.3
+    base[..., R.SINK], base[..., R.DELIMITER], base[..., R.CONTENT] = 0.5, 0.2, 0.3
     rotated = base.copy()
-    rotated[2:, :, C.SINK] += sink_change
-    rotated[2:, :, C.DELIMITER if less == "delimiter" else C.CONTENT] -= sink_change
+    rotated[2:, :, R.SINK] += sink_change
+    rotated[2:, :, R.DELIMITER if less == "delimiter" else R.CONTENT] -= sink_change
     counts = np.array([[1, 10, 5], [1, 10, 5]])       # per token, delimiters get 0.02, content 0.06
     return {"base": base, "rotated": rotated, "counts": counts, "first_sink": 1}
 
@@ -258,29 +262,29 @@ def tiny_llama():
 def test_window_losses_are_per_window_means_and_refuse_relaxation(tiny_llama):
     model = tiny_llama.model
     ids = torch.randint(0, 256, (5, 12), generator=torch.Generator().manual_seed(0))
-    losses, rotated = C.window_losses(model, ids, chunk=2)
+    losses, rotated = R.window_losses(model, ids, chunk=2)
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, 1:-1]
     want = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 2:], reduction="none").mean(1)
     np.testing.assert_allclose(losses, want.double().numpy(), rtol=1e-5)
     assert not rotated
     with pytest.raises(ValueError, match="relax"):
-        C.window_losses(model, ids, options={"gamma": 1.0})
-    ablated, _ = C.window_losses(model, ids, ablate=(0, 1))
+        R.window_losses(model, ids, options={"gamma": 1.0})
+    ablated, _ = R.window_losses(model, ids, ablate=(0, 1))
     assert not np.allclose(ablated, losses)
 
 
 def test_test_windows_never_overlap_the_sweep_windows(tiny_llama):
     from sinkbook.training.corpus import heldout_text_windows
     sweep, _ = heldout_text_windows(tiny_llama.tokenizer, 4, 32)
-    test = C.later_heldout_windows(tiny_llama.tokenizer, 4, 32)
+    test = R.later_heldout_windows(tiny_llama.tokenizer, 4, 32)
     assert test.shape == sweep.shape and (test[:, 0] == sweep[:, 0]).all()     # the same <bos> prefix
     assert not {tuple(r) for r in sweep[:, 1:].tolist()} & {tuple(r) for r in test[:, 1:].tolist()}
 
 
 def test_benchmark_reports_three_settings_with_ratios(tiny_llama):
     from sinkbook.measures.decoding import benchmark_decoding, overhead_ratios
-    rows = benchmark_decoding(tiny_llama, C.benchmark_settings(tiny_llama.model, 1.0), prompt_tokens=12,
+    rows = benchmark_decoding(tiny_llama, R.benchmark_settings(tiny_llama.model, 1.0), prompt_tokens=12,
                               new_tokens=3, repeats=1)
     ratios = overhead_ratios(rows)
     assert set(ratios) == {"sdpa", "outro", "eager"}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sinkbook.chapters import outro_multimodal as C
+from sinkbook.runs import multimodal as R
 from sinkbook.core.claims import NOT_COMPARABLE
 from sinkbook.core.hooks import capture, intervene
 from sinkbook.core.models import TINY_FAMILIES
@@ -26,7 +27,7 @@ def _by_id(finding, suffix="_m"):
 def test_batches_hold_one_task_and_length_and_cover_every_example():
     from sinkbook.training.probes import held_out_vision_examples
     examples = held_out_vision_examples(40)
-    batches = C.example_batches(examples, 4)
+    batches = R.example_batches(examples, 4)
     assert sorted(i for b in batches for i in b) == list(range(40))
     for b in batches:
         assert len(b) <= 4 and len({(examples[i].task, len(examples[i].digits)) for i in b}) == 1
@@ -36,16 +37,16 @@ def test_batches_hold_one_task_and_length_and_cover_every_example():
 def test_pruning_keeps_the_highest_scored_image_tokens():
     image = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 0, 0]], dtype=torch.bool)
     scores = torch.tensor([[9.0, 0.1, 0.4, 0.3, 0.2, 9.0], [9.0, 9.0, 0.5, 0.5, 9.0, 9.0]])
-    pruned = C.prune_image_tokens(scores, image, keep=0.5)
+    pruned = R.prune_image_tokens(scores, image, keep=0.5)
     assert pruned.tolist() == [[False, True, False, False, True, False], [False, False, False, True, False, False]]
     assert not (pruned & ~image).any(), "only image tokens are pruned"
-    assert C.prune_image_tokens(scores, image, keep=0.1).sum(1).tolist() == [3, 1]      # at least one is kept
-    assert not C.prune_image_tokens(scores, image, keep=1.0).any()
+    assert R.prune_image_tokens(scores, image, keep=0.1).sum(1).tolist() == [3, 1]      # at least one is kept
+    assert not R.prune_image_tokens(scores, image, keep=1.0).any()
 
 
 def test_select_gamma_takes_the_best_accuracy_and_the_smaller_on_ties():
-    assert C.select_gamma({0.5: [1, 0, 0], 1.0: [1, 1, 0], 4.0: [1, 1, 0]}) == 1.0
-    assert C.select_gamma({3.0: [0, 0], 0.5: [0, 0]}) == 0.5
+    assert R.select_gamma({0.5: [1, 0, 0], 1.0: [1, 1, 0], 4.0: [1, 1, 0]}) == 1.0
+    assert R.select_gamma({3.0: [0, 0], 0.5: [0, 0]}) == 0.5
 
 
 def test_vlm_top_detector_ranks_flagged_tokens_only():
@@ -53,12 +54,12 @@ def test_vlm_top_detector_ranks_flagged_tokens_only():
     hidden = torch.randn(2, 6, 1024)                               # |h_d| / RMS can reach sqrt(1024) = 32
     hidden[0, 2, 5], hidden[0, 4, 5], hidden[1, 3, 5] = 400.0, 60.0, 5.0         # ratios ~32, ~28 and ~5
     padding = torch.ones(2, 6, dtype=torch.long)
-    top = C.vlm_top_detector([5])(hidden, padding)
+    top = R.vlm_top_detector([5])(hidden, padding)
     assert top.tolist() == [[False, False, True, False, False, False], [False] * 6]
-    both = C.vlm_top_detector([5], share=0.5)(hidden, padding)                      # 3 of 6, but two are flagged
+    both = R.vlm_top_detector([5], share=0.5)(hidden, padding)                      # 3 of 6, but two are flagged
     assert torch.nonzero(both[0]).flatten().tolist() == [2, 4] and not both[1].any()
     padding[0, 2] = 0
-    assert torch.nonzero(C.vlm_top_detector([5])(hidden, padding)[0]).flatten().tolist() == [4]
+    assert torch.nonzero(R.vlm_top_detector([5])(hidden, padding)[0]).flatten().tolist() == [4]
 
 
 # ---- helpers against direct computations on a tiny adapted model --------------------------------------------------
@@ -96,10 +97,10 @@ def test_sink_query_scores_are_an_unmasked_softmax_of_the_sink_row(tiny_vlm):
         model(inputs_embeds=embeds, attention_mask=mask)
     q, k = cap["q", layer], cap["k", layer]
     sinks = torch.zeros(mask.shape, dtype=torch.bool)
-    first = C.first_real(mask)
+    first = R.first_real(mask)
     sinks[torch.arange(3), first] = True
     sinks[0, first[0] + 1] = True                                  # two sink rows in the first sequence
-    got = C.sink_query_attention(_grab(model, embeds, mask, layer), sinks, mask.bool())
+    got = R.sink_query_attention(_grab(model, embeds, mask, layer), sinks, mask.bool())
     scaling = model.model.layers[layer].self_attn.scaling
     groups = q.shape[1] // k.shape[1]
     for b in range(3):
@@ -120,7 +121,7 @@ def test_mean_query_scores_average_the_causal_pattern(tiny_vlm):
         model(inputs_embeds=embeds, attention_mask=mask)
     rows = mask.bool().clone()
     rows[:, :-3] = False                                           # the last three positions
-    got = C.mean_query_attention(_grab(model, embeds, mask, 0), rows)
+    got = R.mean_query_attention(_grab(model, embeds, mask, 0), rows)
     want = cap["pattern", 0][:, :, -3:].mean(dim=(1, 2))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -130,7 +131,7 @@ def test_pruned_tokens_are_gone_like_removed_tokens(tiny_vlm):
     pruning removes exactly the tokens it names, and keeps the others."""
     model, embeds, mask, image = tiny_vlm
     scores = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0))
-    pruned = C.prune_image_tokens(scores, image, keep=0.5)
+    pruned = R.prune_image_tokens(scores, image, keep=0.5)
     assert (pruned.sum(1) == (image.sum(1) - (image.sum(1) * 0.5).round())).all()
     positions = (mask.cumsum(1) - 1).clamp_min(0)
     with torch.no_grad():
@@ -154,7 +155,7 @@ def test_dimension_removal_edits_only_the_chosen_tokens_and_dimensions(tiny_vlm)
     direct = embeds.clone()
     direct[chosen.nonzero(as_tuple=True)[0][:, None], chosen.nonzero(as_tuple=True)[1][:, None],
            torch.tensor(dims)[None]] = 0.0
-    edits = C.remove_dimensions_edits(L, chosen, dims)
+    edits = R.remove_dimensions_edits(L, chosen, dims)
     with torch.no_grad():
         want = model(inputs_embeds=direct, attention_mask=mask).logits
         with intervene(model, {("resid_pre", 0): edits[("resid_pre", 0)]}):
@@ -355,7 +356,7 @@ def test_quick_profile_runs_on_a_tiny_model_of_every_family(family, private_cach
     from sinkbook.book.results import write_results
     settings = C.PROFILES.resolve("quick", device="cpu", models=[f"tiny-{family}"], n_test=6, n_val=2,
                                   analysis_items=2, batch_size=4, adaptation=SMALL_ADAPTATION)
-    chapter = C.OutRoMultimodal(settings)
+    chapter = C.OutRoMultimodalChapter(settings)
     results = chapter.results()
     claims = {c.id: c for c in results["claims"]}
     checks = [c for c in claims.values() if c.must_hold]
@@ -370,16 +371,16 @@ def test_quick_profile_runs_on_a_tiny_model_of_every_family(family, private_cach
 def test_bad_settings_are_refused_in_one_line():
     from sinkbook.core.profiles import SettingsError
     with pytest.raises(SettingsError, match="analysis_items"):
-        C.OutRoMultimodal(C.PROFILES.resolve("quick", n_test=3, analysis_items=5))
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", n_test=3, analysis_items=5))
     with pytest.raises(SettingsError, match="prune_keep"):
-        C.OutRoMultimodal(C.PROFILES.resolve("quick", prune_keep=[1.5]))
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", prune_keep=[1.5]))
     with pytest.raises(SettingsError, match="unknown parameter"):
-        C.OutRoMultimodal(C.PROFILES.resolve("quick", adaptation={"no_such": 1}))
-    assert math.isclose(C.TOP_SHARE, 0.01)
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", adaptation={"no_such": 1}))
+    assert math.isclose(R.TOP_SHARE, 0.01)
 
 
 def test_decoding_benchmark_runs_with_image_tokens_in_the_prompt(tmp_path):
-    from sinkbook.chapters.outro import benchmark_settings
+    from sinkbook.runs.outro_text import benchmark_settings
     from sinkbook.core.hooks import hook_count
     from sinkbook.measures.decoding import overhead_ratios
     from sinkbook.training.adapt import AdaptConfig, adapt
@@ -387,7 +388,7 @@ def test_decoding_benchmark_runs_with_image_tokens_in_the_prompt(tmp_path):
     adapt(AdaptConfig("tiny-qwen2", steps=2, stage1_steps=1, batch_size=4), out=tmp_path, use_cache=False,
           progress=False)
     vlm, loaded, fmt = load_vlm(tmp_path / "model", device="cpu")
-    rows = C.benchmark_vlm_decoding(vlm, loaded, fmt, benchmark_settings(loaded.model, 1.0), new_tokens=3, repeats=1,
+    rows = R.benchmark_vlm_decoding(vlm, loaded, fmt, benchmark_settings(loaded.model, 1.0), new_tokens=3, repeats=1,
                                     digits=2)
     assert [r["setting"] for r in rows] == ["sdpa", "outro", "eager"] and rows[0]["image_tokens"] == 8
     ratios = overhead_ratios(rows)

@@ -11,6 +11,7 @@ from sinkbook.core.claims import NOT_COMPARABLE, MustHoldFailed
 from sinkbook.core.published import (SIX_TASK_COLUMNS, TABLE4_COLUMNS, load_published_statistics, load_table,
                                      six_pairs)
 from sinkbook.measures import regression as R
+from sinkbook.runs.strength import sink_strengths_from_results
 
 
 def _by_id(finding):
@@ -40,58 +41,6 @@ def synthetic_table4(six: pd.DataFrame, shift: float = 0.0) -> pd.DataFrame:
     rows = {"Spearman rho n=6": {TABLE4_COLUMNS[t]: round(float(R.spearman_rho(six.s, six[c])), 3) + shift
                                  for t, c in SIX_TASK_COLUMNS.items()}}
     return pd.DataFrame.from_dict(rows, orient="index")
-
-
-TABLE5 = pd.DataFrame({"pair": ["A", "B", "C", "D", "E", "F", "G"],
-                       "qk": ["per-head", "per-head", "none", "none", "none", "layerwise", "layerwise"],
-                       "g_base": [2.0, 2.0, 1.0, 1.0, 1.3, 0.3, 1.2],
-                       "b_gap": [1.8, 2.3, 4.0, 3.5, 2.6, 3.4, 4.0]})
-TABLE5["g_minus_b"] = (TABLE5.g_base - TABLE5.b_gap).round(2)
-PUBLISHED = {"lemma1_check_empirical_text": 0.069, "lemma1_check_bound_text": 0.069}
-
-
-def _margins(**changes) -> pd.DataFrame:
-    t5 = TABLE5.copy()
-    for pair, margin in changes.items():
-        t5.loc[t5.pair == pair, "g_minus_b"] = margin
-    return t5
-
-
-# ---------------------------------------------------------------------------------------------- Table 5
-def test_table5_split_holds_when_the_margins_read_as_the_paper_says():
-    claims = _by_id(C.table5_finding(TABLE5, PUBLISHED))
-    assert claims["table5_margin_split"].holds is True
-    assert claims["table5_layerwise_strongly_negative"].holds is True
-    assert claims["table5_margin_split"].kind == "recomputed"
-    assert {claims[i].kind for i in ("lemma1_sanity_check", "lemma1_bound_tight", "strong_sink_threshold")} == {"math"}
-
-
-@pytest.mark.parametrize("changes, why", [
-    ({"A": 0.9}, "a per-head margin that is clearly positive is not near zero"),
-    ({"B": -0.7}, "a per-head margin in the moderately negative band is not near zero"),
-    ({"E": -0.8}, "a no-QK-norm margin above -1 nat is not strongly negative"),
-])
-def test_table5_split_fails_on_a_variant_that_breaks_the_rule(changes, why):
-    claims = _by_id(C.table5_finding(_margins(**changes), PUBLISHED))
-    assert claims["table5_margin_split"].holds is False, why
-
-
-def test_table5_layerwise_claim_fails_and_gates():
-    assert _by_id(C.table5_finding(_margins(G=-0.6), PUBLISHED))["table5_layerwise_strongly_negative"].holds is False
-    no_layerwise = TABLE5[TABLE5.qk != "layerwise"]
-    claims = _by_id(C.table5_finding(no_layerwise, PUBLISHED))
-    assert claims["table5_layerwise_strongly_negative"].holds == NOT_COMPARABLE
-    no_per_head = TABLE5[TABLE5.qk != "per-head"]
-    assert _by_id(C.table5_finding(no_per_head, PUBLISHED))["table5_margin_split"].holds == NOT_COMPARABLE
-
-
-def test_margin_thresholds_follow_lemma1():
-    assert [C.margin_reading(m) for m in (0.5, -0.5, -0.51, -1.0, 0.6)] == [
-        "near zero", "near zero", "moderately negative", "strongly negative", "positive"]
-    # near zero keeps the bound sigma(-m) in its linear part around 1/2; strongly negative lets the
-    # non-sink keys take at least sigma(1) of the mass
-    assert abs(float(R.lemma1_bound(0, C.NEAR_ZERO_NATS)) - 0.5) < 0.125
-    assert float(R.lemma1_bound(0, -C.STRONGLY_NEGATIVE_NATS)) == pytest.approx(1 / (1 + np.exp(-1)))
 
 
 # ----------------------------------------------------------------------------------- six-pair statistics
@@ -178,29 +127,24 @@ def test_placement_with_no_s_at_all_still_gives_a_finding():
 def test_sink_strengths_are_read_from_the_sink_criteria_results(tmp_path):
     path = tmp_path / "sink_criteria.json"
     path.write_text(json.dumps({"extra": {"sink_strength": {"smollm2-135m-instruct": {"S": 1.5}}}}))
-    out = C.sink_strengths_from_results(["smollm2-135m-instruct", "gemma3-270m"], path).set_index("model")
+    out = sink_strengths_from_results(["smollm2-135m-instruct", "gemma3-270m"], path).set_index("model")
     assert out.S["smollm2-135m-instruct"] == 1.5
     assert np.isnan(out.S["gemma3-270m"]) and "no Sink Strength" in out.note["gemma3-270m"]
-    assert "does not exist" in C.sink_strengths_from_results(["x"], tmp_path / "absent.json").note[0]
+    assert "does not exist" in sink_strengths_from_results(["x"], tmp_path / "absent.json").note[0]
     path.write_text("{not json")
-    assert "could not be read" in C.sink_strengths_from_results(["x"], path).note[0]
+    assert "could not be read" in sink_strengths_from_results(["x"], path).note[0]
 
 
 # ---------------------------------------------------------------------------------------- the chapter
-FINDINGS = ("published_data", "rank_correlation", "lopo_error", "table10", "per_task_errors", "constant_baseline",
-            "panel_correlations", "uncertainty", "margin_correlation", "group_out", "s_rule", "table5",
-            "trajectories", "derived_numbers", "scatter", "placement")
-
-
 def test_quick_profile_in_process_on_a_tiny_and_a_missing_model(tmp_path, monkeypatch):
     from sinkbook.book.results import write_results
     monkeypatch.setenv("SINKBOOK_RESULTS_DIR", str(tmp_path))
     settings = C.PROFILES.resolve("quick", device="cpu", models=["tiny-qwen2", "no-such-model"],
                                   extra_s_values={"reader-model": 1.0})
-    chapter = C.Predictor(settings)
-    for name in FINDINGS:
+    chapter = C.PredictorChapter(settings)
+    for name in chapter.FINDINGS:
         getattr(chapter, name)()
-    chapter.table5()                                # asking twice claims nothing twice
+    chapter.lopo_error()                            # asking twice claims nothing twice
     ids = [c.id for c in chapter.claims]
     assert len(ids) == len(set(ids))
     by_id = {c.id: c for c in chapter.claims}
@@ -213,7 +157,6 @@ def test_quick_profile_in_process_on_a_tiny_and_a_missing_model(tmp_path, monkey
     assert "ModelNotAvailable" in by_id["placement_no_such_model"].why_not_comparable
     assert by_id["placement_tiny_qwen2"].our_value.startswith("S = ")
     assert by_id["placement_reader_model"].our_value.startswith("S = 1.00")
-    assert by_id["table5_margin_split"].holds is True
     path = write_results(**chapter.results())
     doc = json.loads(path.read_text())
     assert doc["chapter"] == "predictor" and doc["parameters"]["profile"] == "quick"

@@ -223,13 +223,10 @@ TINY = dict(n_prompts=2, census_prompts=1, zero_k_prompts=1, sweep_sizes=[1, 2],
 
 
 def _run(models, tmp_path):
-    from sinkbook.book.explorer import explorer_datasets
     from sinkbook.book.results import write_results
-    chapter = ch.SinkCriteria(ch.PROFILES.resolve("quick", device="cpu", models=models, **TINY))
-    for step in ("models", "criteria", "dimensions", "zero_k", "strength", "cost", "sample_size", "windows",
-                 "thirds", "head_fraction"):
+    chapter = ch.SinkCriteriaChapter(ch.PROFILES.resolve("quick", device="cpu", models=models, **TINY))
+    for step in chapter.FINDINGS:
         getattr(chapter, step)()
-    chapter.explorer(explorer_datasets(chapter.loaded.values(), chapter.explorer_prompts(), max_tokens=8))
     chapter.criteria()                                        # a second call claims nothing twice
     path = write_results(**chapter.results(), directory=tmp_path)
     return chapter, json.loads(path.read_text())

@@ -10,6 +10,7 @@ import pytest
 
 from sinkbook.core.claims import NOT_COMPARABLE
 from sinkbook.chapters import vl_adaptation as vl
+from sinkbook.runs.adaptation_records import probe_metric
 
 M = "model-a"
 
@@ -135,9 +136,9 @@ def test_dose_response_reads_erosion_against_loss():
 
 def test_probe_metric_leaves_a_floored_strict_score_for_the_flexible_one():
     base, runs = _world()
-    assert vl.probe_metric(base, M) == "arithmetic_strict"
+    assert probe_metric(base[M]) == "arithmetic_strict"
     base[M]["tasks"]["arithmetic_strict"] = _task("arithmetic_strict", "format", [0] * 60)
-    assert vl.probe_metric(base, M) == "arithmetic_flexible"
+    assert probe_metric(base[M]) == "arithmetic_flexible"
     # strict stays flat at zero, flexible falls with the sink: read on strict, no dose-response could be seen
     for key, doc in runs.items():
         falling = (0.6, 0.3, 0.25, 0.2) if key[1] == "vision" else (0.6, 0.59, 0.58, 0.575)
@@ -180,10 +181,7 @@ def test_the_chapter_runs_on_tiny_models_of_every_family(family, private_cache):
                                    stage1_steps=1, batch_size=4, probe_every=1, probe_arithmetic=2, probe_vision=2,
                                    arithmetic=3, knowledge=3, ifeval=1, ifeval_tokens=4, vision=3, heldout_windows=1,
                                    workers=1)
-    chapter = vl.VLAdaptation(settings)
-    chapter.run()
-    for name in ("adaptation", "capability", "erosion", "theorem1", "dose_response", "across_models"):
-        getattr(chapter, name)()
+    chapter = vl.VLAdaptationChapter(settings)
     results = chapter.results()
     assert results["claims"] and {c.holds for c in results["claims"]} <= {True, False, NOT_COMPARABLE}
     t1 = [c for c in results["claims"] if c.id.startswith("theorem1")]

@@ -165,10 +165,11 @@ def test_a_frozen_language_model_must_score_every_text_item_as_the_unadapted_one
 
 def test_jobs_share_the_adaptation_chapters_plain_runs():
     from sinkbook.chapters import vl_adaptation as vl
+    from sinkbook.runs.adaptation import adaptation_jobs, protection_jobs
     s = vp.PROFILES.resolve("default")
-    chapter = vp.VLProtection(s)
-    jobs = chapter.jobs()
-    adaptation = vl.VLAdaptation(vl.PROFILES.resolve("default")).jobs()
+    chapter = vp.VLProtectionChapter(s)
+    jobs = protection_jobs(chapter.recipe, s.interventions, s.seeds, s.merges, s.merge_models, s.merge_seeds)
+    adaptation = adaptation_jobs(vl.PROFILES.resolve("default"))
     plain = [j for j in jobs if j.get("arm") == vp.PLAIN]
     assert plain and all(any(j["config"] == a.get("config") and j["eval"] == a["eval"] and j["probe"] == a["probe"]
                              for a in adaptation) for j in plain)
@@ -180,8 +181,9 @@ def test_jobs_share_the_adaptation_chapters_plain_runs():
 
 
 @pytest.mark.parametrize("override, why", [(dict(interventions={"x": ["dropout"]}), "unknown interventions"),
-                                           (dict(merges=["average"]), "unknown merges"),
-                                           (dict(seeds=[]), "at least one seed")])
+                                           (dict(merges=["average"]), "'merges' must be a list drawn from"),
+                                           (dict(seeds=[]), "'seeds' must be a non-empty list")])
 def test_bad_arguments_are_refused_in_one_line(override, why):
-    with pytest.raises(ValueError, match=why):
-        vp.VLProtection(vp.PROFILES.resolve("quick", **override))
+    from sinkbook.core.profiles import SettingsError
+    with pytest.raises(SettingsError, match=why):
+        vp.VLProtectionChapter.from_parameters("quick", **override)

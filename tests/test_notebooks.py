@@ -14,7 +14,7 @@ from sinkbook.core.paths import REPO_ROOT
 RUNS = {
     "outro": {"models": ["tiny-qwen2"]},
     "outro_multimodal": {"models": ["tiny-qwen2"]},
-    "gradient_sinks": {"real_models": ["tiny-olmo2"], "retrofit_model": "tiny-qwen2"},
+    "gradient_sinks_with_sink": {"real_models": ["tiny-olmo2"], "retrofit_model": "tiny-qwen2"},
     "sink_criteria": {"models": ["tiny-gemma3"]},
     "vl_protection": {"interventions": {"tiny-qwen2": ["protection", "inject_qk_norm"], "tiny-qwen3": ["fix_qk_norm"]},
                       "merge_models": ["tiny-qwen2"],

@@ -2,8 +2,9 @@
 
     python -m sinkbook.book build [--profile quick|default|gpu] [--only CHAPTER ...] [--device auto]
 
-The chapters and their order come from ``sinkbook.chapters.CHAPTERS``; the book's ``_toc.yml`` is written from
-it. The sources stay clean: each build stages the book (``_config.yml``, ``book/``) next to the executed
+The chapters and their order come from ``sinkbook.chapters.CHAPTERS``; the book's ``_toc.yml`` (committed beside
+``_config.yml``) is written from it by ``python -m sinkbook.book toc``, and a build stops when the two disagree.
+The sources stay clean: each build stages the book (``_config.yml``, ``_toc.yml``, ``book/``) next to the executed
 notebooks under ``_build/stage-<profile>/`` and builds the HTML from there into ``_build/html`` (default and
 gpu profiles) or ``_build/<profile>/html`` (others). Results files go to ``results/`` for the default profile
 and ``_build/<profile>/results/`` otherwise, so a quick test run never overwrites the book's numbers.
@@ -17,16 +18,19 @@ the parameters cells are hidden whole (``hide-cell``): a chapter page reads as p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..chapters import CHAPTERS, chapter_names
-from ..core.paths import REPO_ROOT
+from ..core.paths import REPO_ROOT, entry_lock
+from ..runs.pool import die_with_parent
 from .results import claims_markdown, load_all_results, summary_figure
 
 PROFILES = ("quick", "default", "gpu")
@@ -72,11 +76,14 @@ def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, 
     start = time.perf_counter()
     log = log_dir / f"{chapter}.log"
     with open(log, "w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+        # papermill (and through the kernel's parent poller, the kernel and its workers) ends with the build
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        returncode = child.wait()
     seconds = time.perf_counter() - start
     if target.exists():
         present_for_reading(target)
-    if done.returncode != 0:
+    if returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-25:]
         return False, seconds, "\n".join(tail)
     return True, seconds, ""
@@ -97,9 +104,19 @@ def present_for_reading(notebook: Path) -> None:
     nbformat.write(nb, str(notebook))
 
 
+TOC = REPO_ROOT / "_toc.yml"
+
+
+def check_toc() -> None:
+    """The committed ``_toc.yml`` must be the one the chapter registry gives; it says how to fix it if not."""
+    if not TOC.exists() or TOC.read_text() != toc_yaml():
+        raise SystemExit(f"{TOC.name} does not match the chapter registry (sinkbook.chapters.CHAPTERS); "
+                         f"write it with: python -m sinkbook.book toc")
+
+
 def stage_book(stage: Path) -> None:
     shutil.copy2(REPO_ROOT / "_config.yml", stage / "_config.yml")
-    (stage / "_toc.yml").write_text(toc_yaml())
+    shutil.copy2(TOC, stage / "_toc.yml")
     if (stage / "book").exists():
         shutil.rmtree(stage / "book")
     shutil.copytree(REPO_ROOT / "book", stage / "book", symlinks=False)
@@ -142,12 +159,42 @@ def _architectures_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _stop_children(signum, _frame):
+    """Ctrl-C or SIGTERM of the build: end every process it started (papermill, kernels, workers), then exit."""
+    import psutil
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    for child in alive:
+        child.kill()
+    print(f"[sinkbook] build stopped by signal {signum}; cached runs that finished are kept", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def one_build_at_a_time(profile: str):
+    """Two builds of one profile in one checkout would share staging, logs and executed notebooks: the second
+    waits for the first (and then reads what it cached)."""
+    lock = REPO_ROOT / "_build" / f".build-{profile}"
+    with entry_lock(lock, f"a {profile} build of this checkout"):
+        yield
+
+
 def build(profile: str = "default", only: list[str] | None = None, device: str = "auto") -> int:
+    signal.signal(signal.SIGTERM, _stop_children)
+    signal.signal(signal.SIGINT, _stop_children)
+    with one_build_at_a_time(profile):
+        return _build(profile, only, device)
+
+
+def _build(profile: str, only: list[str] | None, device: str) -> int:
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     unknown = set(only or []) - set(chapter_names())
     if unknown:
         raise SystemExit(f"unknown chapter(s) {sorted(unknown)}; chapters: {', '.join(chapter_names())}")
+    check_toc()                     # before an hour of chapters, not after
     where = paths(profile)
     stage = where["stage"]
     stage.mkdir(parents=True, exist_ok=True)
@@ -206,7 +253,12 @@ def main(argv=None) -> int:
     b.add_argument("--profile", default="default", choices=PROFILES)
     b.add_argument("--only", nargs="*", help="execute only these chapters (others keep their last executed copy)")
     b.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    sub.add_parser("toc", help=f"write {TOC.name} from the chapter registry")
     args = parser.parse_args(argv)
+    if args.command == "toc":
+        TOC.write_text(toc_yaml())
+        print(f"wrote {TOC}")
+        return 0
     return build(args.profile, args.only, args.device)
 
 

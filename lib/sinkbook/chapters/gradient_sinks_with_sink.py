@@ -1,38 +1,50 @@
-"""Second half of the gradient-sinks chapter (not a chapter of its own; ``GradientSinks`` calls it): V-scale on
-models that have an attention sink, the V-scale retrofit of a pretrained model, and post-training quantisation.
+"""Gradient sinks where there is a sink: V-scale on models that have an attention sink, V-scale added to a
+pretrained model, and post-training quantisation.
 
-The Shakespeare baselines of the first half grow no attention sink at CPU scale. The search recorded in
+The Shakespeare baselines of the gradient-sinks chapter grow no attention sink at CPU scale. The search recorded in
 ``measurements/sink_emergence/`` found one setting that does: the synthetic Bigram-Backcopy corpus
-(``training.synthetic``) with a one-layer model and a context of 32 tokens (``SETTING``). There the paper's
-comparison runs with several seeds; every claim says what it needs from the baseline (an attention sink; a
-massive activation, which no setting here grows) and is "not comparable" without it. The retrofit is ours:
+(``training.synthetic``) with a one-layer model and a context of 32 tokens (``runs.vscale_setting.SETTING``). There
+the paper's comparison runs with several seeds; every claim says what it needs from the baseline (an attention
+sink; a massive activation, which no setting here grows) and is "not comparable" without it. The retrofit is ours:
 V-scale added to pretrained SmolLM2, which has both a sink and a massive activation, and a short fine-tune.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 import pandas as pd
-import torch
 
-from ..core.claims import Finding, Rule, claim
-from ..interventions.quantise import quantise_weights, quantised_residual
-from ..interventions.vscale import learned_theta
-from ..measures.gradprobes import RGS_T_E, ProbeResult, probe_batch
-from ..measures.regression import spearman_rho
-from ..training.corpus import validation_batches
-from ..training.scratch import TrainConfig
+from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.models import REAL_MODELS, SMOLLM2, resolve_device
+from ..core.profiles import NON_EMPTY, POSITIVE, Profiles
+from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, ProbeResult, RATIO_MIN,
+                                   RGS_T_E, SINK_MIN, grad_q0_share, path_norms, path_spikes, sink_check)
+from ..runs.gradient_sinks import probe_pretrained
+from ..runs.vscale_setting import (QUANTISERS, RetrofitConfig, SETTING, retrofit_measurements, setting_pairs,
+                                   setting_quantisation)
 from ..training.synthetic import corpus_for
-from .gradient_sinks import KEEP_SINK_SHARE, LOSS_TOLERANCE, RATIO_MIN, SINK_MIN, probe_raw_values, sink_check
+from .base import Chapter, finding
+
+
+NAME = "gradient_sinks_with_sink"
+PROFILES = Profiles({
+    "quick": dict(real_models=list(REAL_MODELS), real_batch=1, real_context=80, sink_steps=200, sink_seeds=[0],
+                  retrofit_model="tiny-llama", retrofit_steps=3, use_cache=True),
+    "default": dict(real_models=list(REAL_MODELS), real_batch=2, real_context=256, sink_steps=2000,
+                    sink_seeds=[0, 1, 2], retrofit_model=SMOLLM2, retrofit_steps=40, use_cache=True),
+    "gpu": dict(real_models=list(REAL_MODELS), real_batch=8, real_context=512, sink_steps=4000,
+                sink_seeds=[0, 1, 2, 3, 4], retrofit_model=SMOLLM2, retrofit_steps=500, use_cache=True),
+}, limits=dict(real_batch=POSITIVE, real_context=POSITIVE, sink_steps=POSITIVE, sink_seeds=NON_EMPTY,
+               retrofit_steps=POSITIVE))
 
 SRC = "Gradient-sinks paper"
-# The smallest setting of the recorded search whose baseline has an attention sink (README of
-# measurements/sink_emergence): 1 layer x 64 dims, 1 head, context 32, lr 1e-2, no weight decay.
-SETTING = dict(data="bb-64-3", shape=(1, 64, 1, 256), context=32, batch_size=16, lr=1e-2, weight_decay=0.0)
 CHANGE_TOLERANCE = 0.1                   # ours: "Change near 1" = median |log10 Change| <= 0.1 (within 26 %)
 
+PRETRAINED_GRADIENT_SINK = Rule.between(10, 100, "median R_GS(0; 31)")
+VALUE_SPIKE = Rule("value spike > key spike", lambda pair: pair[0] > pair[1])
+GRAD_Q0_ZERO = Rule.at_most(GRAD_Q0_TOLERANCE, "max |grad q_0| / max |grad q_t|")
+FINITE = Rule.true("every R_GS is finite")
 EVERY_SEED = "in every seed"
 HAS_SINK = Rule.true(f"Sink^eps(middle) >= {SINK_MIN:g} {EVERY_SEED}")
 HAS_MASSIVE = Rule.true(f"token-0 ratio (max, middle) >= {RATIO_MIN:g} {EVERY_SEED}")
@@ -57,37 +69,78 @@ RETROFIT_PARITY = Rule(f"|V-scale - plain fine-tune| <= {LOSS_TOLERANCE:g} nats"
 EASIER = Rule.true("the loss increase under quantisation smaller with V-scale than without, for every quantiser")
 
 
+# ---- pretrained models -------------------------------------------------------------------------------------
+
+def pretrained_claims(spec: str, probe: ProbeResult) -> list:
+    """Fig. 1 range and Fig. 9 value-path spike for one pretrained model, gated on its attention sink."""
+    check_ = sink_check(probe)
+    spike = path_spikes(probe)
+    median = float(probe.summary()["median_r_gs"])
+    has_sink = (bool(check_["sink"]), f"{spec} shows no attention sink (Sink^eps middle "
+                                      f"{check_['sink_rate_middle']:.2f} < {SINK_MIN:g})")
+    return [
+        claim(f"{slug(spec)}_rgs_range", "measured", f"{SRC}, Fig. 1",
+              f"pretrained {spec}: median R_GS in the 10-100 range", "10-100", round(median, 2), PRETRAINED_GRADIENT_SINK,
+              precondition=has_sink),
+        claim(f"{slug(spec)}_value_spike", "measured", f"{SRC}, Fig. 9",
+              f"pretrained {spec}: the token-0 spike is larger on the value path than on the key path",
+              "value > key", f"value {spike['value']:.1f}x, key {spike['key']:.1f}x", VALUE_SPIKE,
+              value=(spike["value"], spike["key"]), precondition=has_sink),
+    ]
+
+
+def pretrained_row(spec: str, probe: ProbeResult, seconds: float) -> dict:
+    s, spike, check_ = probe.summary(), path_spikes(probe), sink_check(probe)
+    return {"model": spec, "layers": probe.n_layers, "median R_GS": s["median_r_gs"],
+            "Sink^eps mean": s["sink_rate_mean"], "Sink^eps middle": check_["sink_rate_middle"],
+            "token-0 norm": s["token0_norm_mean"], "token-0 ratio": s["token0_ratio_mean"],
+            "key spike": spike["key"], "value spike": spike["value"], "max |grad q_0|": s["grad_q0_max"],
+            "probe seconds": seconds}
+
+
+def pretrained_finding(real: dict[str, ProbeResult], seconds: dict[str, float] | None = None,
+                       skipped: dict[str, str] | None = None) -> Finding:
+    """The same probes on pretrained models (Figs. 1, 2, 9 analogs); claims only where the model has a sink."""
+    import plotly.express as px
+    import plotly.graph_objects as go
+    title = "The same probes on pretrained models"
+    seconds = seconds or {}
+    notes = [f"{spec}: not available here ({why}); skipped." for spec, why in (skipped or {}).items()]
+    if not real:
+        return Finding(title, notes=notes or ["No pretrained model was probed."])
+    rows = [pretrained_row(spec, p, seconds.get(spec, float("nan"))) for spec, p in real.items()]
+    table = pd.DataFrame(rows).set_index("model").T
+    table.columns.name = None
+    claims = [c for spec, p in real.items() for c in pretrained_claims(spec, p)]
+    for spec, p in real.items():
+        check_ = sink_check(p)
+        if not check_["sink"]:
+            notes.append(f"{spec} shows no attention sink (Sink^eps in the middle layers "
+                         f"{check_['sink_rate_middle']:.2f}, threshold {SINK_MIN:g}): its claims are not comparable.")
+    box = go.Figure()
+    for spec, p in real.items():
+        box.add_trace(go.Box(y=p.r_gs(), name=spec, boxpoints="all"))
+    box.add_hrect(y0=10, y1=100, fillcolor="gray", opacity=0.15, line_width=0)
+    box.update_layout(yaxis_type="log", yaxis_title="R_GS(0; 31) over layers", height=380)
+    paths = px.line(path_norms(real), x="token", y="grad norm", color="path", facet_col="model", log_y=True)
+    paths.update_layout(height=330).update_xaxes(title_text="token position")
+    return Finding(title, claims=claims, table=table, figures=[box, paths], notes=notes, data={"rows": rows})
+
+
+def checks_finding(probes: dict[str, ProbeResult]) -> Finding:
+    """Must-hold checks over the pretrained models' probes: the causal-mask identity on q_0 and finite ratios."""
+    share = max((grad_q0_share(p) for p in probes.values()), default=0.0)
+    finite = all(np.isfinite(p.r_gs()).all() for p in probes.values())
+    return Finding("Checks of our own code", claims=[
+        check("pretrained_grad_q0_zero", "with a causal mask the gradient wrt q_0 is zero, up to float32 kernel "
+              f"rounding (|grad q_0| <= {GRAD_Q0_TOLERANCE:g} x the largest |grad q_t|, every pretrained model)",
+              share, GRAD_Q0_ZERO, expected=0.0, source=f"{SRC}, Sec. 4 / App. D.1"),
+        check("pretrained_probes_finite", "every R_GS of the pretrained probes is finite", finite, FINITE,
+              expected=True),
+    ])
+
+
 # ---- the synthetic setting: runs and per-seed numbers -----------------------------------------------------------
-
-def setting_config(steps: int, seed: int, vscale: bool, eval_every: int = 500) -> TrainConfig:
-    corpus = corpus_for(SETTING["data"])
-    return TrainConfig(size="nano", shape=SETTING["shape"], data=SETTING["data"], vocab_size=corpus.vocab_size,
-                       steps=steps, warmup_steps=steps // 10, batch_size=SETTING["batch_size"],
-                       context=SETTING["context"], lr=SETTING["lr"], weight_decay=SETTING["weight_decay"],
-                       seed=seed, vscale=vscale, eval_every=min(eval_every, steps))
-
-
-def setting_probe_ids(corpus) -> torch.Tensor:
-    """16 validation windows of the training context, the same for every run of the setting."""
-    return validation_batches(corpus.val_ids, 16, SETTING["context"], corpus.bos_id, 1)[0]
-
-
-def probe_numbers(probe: ProbeResult, raw_value_norm: np.ndarray | None = None) -> dict:
-    """What the claims read from one probe: the summary, the chapter's sink check, the Fig. 3 / Fig. 12 relations."""
-    s, check_ = probe.summary(), sink_check(probe)
-    bloat, change, compress = (probe.attn_ratios[k] for k in ("bloat", "change", "compress"))
-    with np.errstate(divide="ignore", invalid="ignore"):       # a zero gradient makes a ratio 0 or undefined
-        norms, log_compress = np.log10(probe.input_norm).ravel(), np.log10(compress).ravel()
-        log_change = np.abs(np.log10(change)).ravel()
-    related = np.isfinite(norms) & np.isfinite(log_compress)
-    values = probe.value_norm if raw_value_norm is None else raw_value_norm      # (layers, heads, T)
-    return {"median R_GS": s["median_r_gs"], "Sink^eps middle": check_["sink_rate_middle"],
-            "token-0 ratio": check_["token0_ratio_middle_max"], "token-0 norm": s["token0_norm_mean"],
-            "token-0 value norm / early": float(np.median(values[:, :, 0] / values[:, :, 1:RGS_T_E + 1].mean(-1))),
-            "Bloat token 0": float(np.median(bloat[:, :, 0])), "Bloat others": float(np.median(bloat[:, :, 1:])),
-            "median |log10 Change|": float(np.median(log_change[np.isfinite(log_change)])),
-            "rho(norm, Compress)": float(spearman_rho(norms[related], log_compress[related]))}
-
 
 def seed_rows(pairs: dict) -> pd.DataFrame:
     """One row per (seed, model) from ``{seed: {"baseline": numbers, "V-scale": numbers}}`` (numbers include
@@ -209,53 +262,6 @@ def setting_finding(rows: pd.DataFrame, theta: dict, seconds: dict) -> Finding:
 
 # ---- quantisation -----------------------------------------------------------------------------------------------
 
-QUANTISERS = ("int8 weights", "int4 weights", "int8 residual (per token)", "int8 residual (per tensor)")
-
-
-def _quantised(model, name: str):
-    """A context in which ``model`` (a deep copy for the weight quantisers) computes under quantiser ``name``."""
-    import contextlib
-    import copy
-    if name.endswith("weights"):
-        other = copy.deepcopy(model)
-        with torch.no_grad():
-            quantise_weights(other, 8 if name.startswith("int8") else 4)
-        return contextlib.nullcontext(other)
-    granularity = "token" if "per token" in name else "tensor"
-    return quantised_residual(model, 8, granularity)
-
-
-def mean_loss(model, batches) -> float:
-    with torch.no_grad():
-        return float(np.mean([model(input_ids=b, labels=b).loss.item() for b in batches]))
-
-
-def largest_activation(model, batches) -> float:
-    """Largest |h| of the residual stream entering any decoder block, over the batches."""
-    from ..core.hooks import capture
-    largest = 0.0
-    with torch.no_grad():
-        for b in batches:
-            with capture(model, points=("resid_pre",)) as cap:
-                model(input_ids=b)
-            largest = max(largest, max(float(cap["resid_pre", l].abs().max()) for l in cap.layers))
-    return largest
-
-
-def quantisation_rows(models: dict, batches) -> pd.DataFrame:
-    """Loss in float and under each quantiser for every model, with the largest residual activation."""
-    rows = []
-    for name, model in models.items():
-        model.eval()
-        base = mean_loss(model, batches)
-        row = {"model": name, "largest |h|": largest_activation(model, batches), "float loss": base}
-        for q in QUANTISERS:
-            with _quantised(model, q) as m:
-                row[f"{q}: loss increase"] = mean_loss(m, batches) - base
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def quantisation_claim(id_: str, table: pd.DataFrame, without: str, with_: str, precondition) -> object:
     a, b = table.set_index("model").loc[without], table.set_index("model").loc[with_]
     cols = [f"{q}: loss increase" for q in QUANTISERS]
@@ -268,89 +274,6 @@ def quantisation_claim(id_: str, table: pd.DataFrame, without: str, with_: str, 
 
 
 # ---- the V-scale retrofit (ours) ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RetrofitConfig:
-    model: str = "smollm2-135m-instruct"
-    steps: int = 40
-    batch_size: int = 4
-    context: int = 64
-    lr: float = 1e-5
-    theta_lr: float = 1e-1       # theta starts far from where it acts: at 1e-2 it moved +0.1 on average in 60 steps
-    start_share: float = 1e-4    # C starts at this share of each head's median ||v||^2: (nearly) the identity
-    seed: int = 0
-
-
-def fine_tune(model, windows: torch.Tensor, cfg: RetrofitConfig, vscale: bool, progress: bool = False) -> dict:
-    """Fine-tune ``model`` in place on ``windows`` (N, T) at a constant learning rate, with V-scale added first
-    (calibrated start) when ``vscale``. The first ``batch_size`` windows calibrate the start and measure how far
-    it is from the identity; the rest are drawn from, seeded. Returns history, seconds, the start's loss change
-    and, with V-scale, the learned theta."""
-    from ..interventions.vscale import apply_vscale, calibrated_theta
-    from ..training.loop import fit
-    out = {}
-    calibration, pool = windows[: cfg.batch_size], windows[cfg.batch_size:]
-    if vscale:
-        before = mean_loss(model, [calibration])
-        start = calibrated_theta(model, calibration, cfg.start_share)
-        apply_vscale(model, theta=start)
-        out["theta_start"] = start.numpy()
-        out["start_loss_change"] = mean_loss(model, [calibration]) - before
-    thetas = [p for n, p in model.named_parameters() if n.endswith(".theta")]
-    others = [p for n, p in model.named_parameters() if not n.endswith(".theta")]
-    groups = [{"params": others}] + ([{"params": thetas, "lr_scale": cfg.theta_lr / cfg.lr}] if thetas else [])
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    order = torch.Generator().manual_seed(cfg.seed)
-    picks = [torch.randint(0, len(pool), (cfg.batch_size,), generator=order) for _ in range(cfg.steps)]
-    result = fit(model, optimizer, lambda step: pool[picks[step]], cfg.steps, lambda step: cfg.lr, clip=1.0,
-                 progress=progress, desc=f"{cfg.model}: {'V-scale retrofit' if vscale else 'plain fine-tune'}")
-    model.eval()
-    out.update({"history": result.history, "seconds": result.seconds})
-    if vscale:
-        out["theta"] = learned_theta(model).numpy()
-    return out
-
-
-def retrofit_measurements(cfg: RetrofitConfig, probe_batch_size: int = 2, probe_context: int = 256,
-                          eval_windows: int = 8, device: str = "cpu", progress: bool = False) -> dict:
-    """Pretrained model, plain fine-tune and V-scale fine-tune of it, each probed (gradient sinks, the sink, the
-    token-0 norm) and evaluated in float and under every quantiser. Cached by configuration (numbers only: the
-    fine-tuned weights are not kept)."""
-    import hashlib
-    import json
-
-    from ..core.models import load_model
-    from ..core.paths import cache_root, jsonable, write_json
-    from ..training.corpus import heldout_text_windows
-    key = hashlib.sha256(json.dumps({**dataclasses.asdict(cfg), "probe": [probe_batch_size, probe_context],
-                                     "eval_windows": eval_windows, "format": 2}, sort_keys=True).encode()).hexdigest()
-    path = cache_root() / "retrofit" / f"{key[:12]}.json"
-    if path.exists():
-        return {**json.loads(path.read_text()), "from_cache": True}
-    torch.manual_seed(cfg.seed)
-    out = {"config": dataclasses.asdict(cfg), "arms": {}}
-    windows = None
-    for arm in ("pretrained", "plain fine-tune", "V-scale fine-tune"):
-        loaded = load_model(cfg.model, device=device)
-        if windows is None:
-            windows = heldout_text_windows(loaded.tokenizer, cfg.batch_size * 16, cfg.context, part=0)[0]
-            evaluation = heldout_text_windows(loaded.tokenizer, eval_windows, cfg.context, part=1)[0]
-            probe_ids = heldout_text_windows(loaded.tokenizer, probe_batch_size, probe_context, part=2)[0]
-        model = loaded.model
-        record = {}
-        if arm != "pretrained":
-            record = fine_tune(model, windows, cfg, vscale=arm.startswith("V-scale"), progress=progress)
-        probe = probe_raw_values(model, probe_ids) if arm.startswith("V-scale") else probe_batch(model, probe_ids)
-        numbers = probe_numbers(probe, probe.value_norm)
-        numbers["val loss"] = mean_loss(model, [evaluation])
-        quant = quantisation_rows({arm: model}, [evaluation]).iloc[0].to_dict()
-        out["arms"][arm] = {"numbers": numbers, "quantisation": quant,
-                            "history": [{k: h[k] for k in ("step", "loss")} for h in record.get("history", [])],
-                            **{k: record[k] for k in ("seconds", "start_loss_change", "theta", "theta_start") if k in record}}
-        del loaded, model
-    write_json(path, jsonable(out, strict=False), strict=False)
-    return {**out, "from_cache": False}
-
 
 def retrofit_claims(result: dict) -> list:
     """Ours: does V-scale added to a pretrained model (and a short fine-tune) lower the token-0 norm and R_GS
@@ -441,3 +364,64 @@ def quantisation_finding(setting_table: pd.DataFrame, removed: tuple[bool, str],
                    notes=["Round-to-nearest weights per output channel (decoder linear layers) and 8-bit residual "
                           "stream entering each block (``interventions.quantise``); loss increase over the float "
                           "model on the same windows."])
+
+
+# ---- the chapter ------------------------------------------------------------------------------------------------
+
+class GradientSinksWithSinkChapter(Chapter):
+    """The synthetic pairs per seed, the retrofit and the quantisation of both (``runs.vscale_setting``, cached)."""
+    NAME = NAME
+    PROFILES = PROFILES
+
+    @property
+    def pretrained_probes(self) -> dict:
+        if not hasattr(self, "_pretrained"):
+            s = self.settings
+            self._pretrained = probe_pretrained(s.real_models, s.real_batch, s.real_context, s.device)
+        return self._pretrained
+
+    @property
+    def setting(self) -> tuple[dict, dict, dict, dict]:
+        if not hasattr(self, "_setting"):
+            s = self.settings
+            self._setting = setting_pairs(s.sink_steps, s.sink_seeds, resolve_device(s.device), s.use_cache)
+        return self._setting
+
+    @property
+    def retrofit_result(self) -> dict:
+        if not hasattr(self, "_retrofit"):
+            s = self.settings
+            self._retrofit = retrofit_measurements(RetrofitConfig(model=s.retrofit_model, steps=s.retrofit_steps),
+                                                   probe_batch_size=s.real_batch, probe_context=s.real_context,
+                                                   device=resolve_device(s.device))
+        return self._retrofit
+
+    @finding
+    def pretrained(self) -> Finding:
+        p = self.pretrained_probes
+        return pretrained_finding(p["probes"], p["seconds"], p["skipped"])
+
+    @finding
+    def sink_setting(self) -> Finding:
+        pairs, theta, seconds, _ = self.setting
+        return setting_finding(seed_rows(pairs), theta, seconds)
+
+    @finding
+    def retrofit(self) -> Finding:
+        return retrofit_finding(self.retrofit_result)
+
+    @finding
+    def quantisation(self) -> Finding:
+        rows = pd.DataFrame(self.sink_setting().data["rows"])
+        table = setting_quantisation(self.setting[3])
+        return quantisation_finding(table, removed_massive_activation(rows), self.retrofit_result)
+
+    @finding
+    def checks(self) -> Finding:
+        return checks_finding(self.pretrained_probes["probes"])
+
+    def model_records(self) -> list[dict]:
+        return list(self.pretrained_probes["records"])
+
+    def extra(self) -> dict:
+        return {"real": self._findings["pretrained"].data.get("rows", [])}

@@ -19,28 +19,23 @@ models without any sink.
 """
 from __future__ import annotations
 
-import contextlib
-import time
-
 import numpy as np
 import pandas as pd
-import torch
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.hooks import attention_implementation, capture, intervene
-from ..core.models import architecture_info, encode, load_model
-from ..core.profiles import Profiles, Settings, SettingsError
-from ..core.prompts import calibration_prompts, pool_prompts
-from ..interventions.outro import OutRo, default_layers, detect_sinks, outro
-from ..measures.ifeval import generate_responses, grade
-from ..measures.decoding import benchmark_decoding, overhead_ratios
-from ..measures.stats import IMPROVES, binomial_two_sided, mcnemar_exact, paired_bootstrap
-from ..training.corpus import heldout_text_windows
+from ..core.models import REAL_MODELS
+from ..core.profiles import Limit, NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, above, at_least, between, each
+from ..interventions.outro import default_layers
+from ..measures.decoding import OUTRO_PAPER_OVERHEAD, OVERHEAD_TARGET
+from ..measures.regression import pearson
+from ..measures.stats import IMPROVES, mcnemar_exact, min_pairs_to_decide, paired_bootstrap
+from ..runs.outro_text import CONTENT, CONTROLS, DELIMITER, N_PROMPTS, OutRoTextRuns, SINK, ifeval_options
+from .base import Chapter, finding
 
-CHAPTER = "outro"
+
+NAME = "outro"
 PAPER = "OutRo paper"
-MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
-N_PROMPTS = len(calibration_prompts()) + len(pool_prompts())           # 115
+MODELS = list(REAL_MODELS)
 
 PROFILES = Profiles({
     # quick: CI smoke run; few prompts and tokens, so the paired tests mostly cannot decide (not comparable)
@@ -55,15 +50,18 @@ PROFILES = Profiles({
                 window_length=512, n_ablation_heads=16, n_prompts=N_PROMPTS, screen_prompts=N_PROMPTS,
                 max_new_tokens=192, batch_size=40, ifeval_extra=["relax", "outro_gamma_0.5", "outro_gamma_3.0"],
                 bench=[256, 24, 3], threads=0),
-})
+}, limits=dict(models=NON_EMPTY, gammas=each(above(0)), analysis_prompts=between(1, N_PROMPTS), n_windows=POSITIVE,
+               window_length=at_least(8), n_ablation_heads=NON_NEGATIVE, n_prompts=between(1, N_PROMPTS),
+               screen_prompts=between(1, N_PROMPTS), max_new_tokens=POSITIVE, batch_size=POSITIVE,
+               bench=Limit("[prompt tokens, new tokens, repeats], each >= 1",
+                           lambda v: isinstance(v, list) and len(v) == 3 and all(POSITIVE(x) for x in v)),
+               threads=NON_NEGATIVE))
 
 # ---- thresholds, each written once -------------------------------------------------------------------------
 
 ALPHA = 0.05              # ours: level of every paired test (the paper reports means and standard deviations)
 FLOOR = 0.05              # ours: baseline prompt-level strict compliance below this is the floor (no headroom)
 MIN_WINDOWS = 8           # ours: a bootstrap over fewer text windows understates its own uncertainty
-BENCHMARK_TARGET = 1.10   # ours: the latency target of scripts/bench_outro.py, not a claim of the paper
-PAPER_OVERHEAD = 1.11     # Table 7: 1.09 s / 0.98 s per token, OutRo over FlashAttention
 NOISE = 1e-3              # nats: a head ablation that moves the loss by less is neither help nor harm
 
 SPARSE = Rule.at_most(0.1, "share of prompt tokens flagged at the worst layer")
@@ -77,192 +75,9 @@ IMPROVES_RULE = Rule(f"the paired test at alpha = {ALPHA:g} says 'improves' (alp
 SINK_BEATS_CONTROLS = Rule(f"paired tests at alpha = {ALPHA:g} say the sink direction improves on both the random "
                            f"token and the head mean (alpha ours)",
                            lambda outcomes: all(o == IMPROVES for o in outcomes))
-OVERHEAD = Rule.at_most(PAPER_OVERHEAD, "decode latency OutRo / plain SDPA")
+OVERHEAD = Rule.at_most(OUTRO_PAPER_OVERHEAD, "decode latency OutRo / plain SDPA")
 IDENTICAL = Rule.true("logits bit-for-bit identical")
 RAN = Rule.true("the rotation step stored a direction")
-
-SINK, DELIMITER, CONTENT = 0, 1, 2
-CATEGORY_NAMES = ("sink", "delimiter", "content")
-
-# IFEval settings: OutRo options per name (None: no intervention). "rotate*" use the rotation alone, as the
-# paper's direction controls do (Table B.9).
-CONTROLS = ("rotate", "rotate_random_token", "rotate_head_mean")
-
-
-def ifeval_options(name: str, gamma: float) -> dict | None:
-    """OutRo options of an IFEval setting name: baseline, outro, relax, rotate, rotate_<direction>,
-    outro_gamma_<g>."""
-    if name == "baseline":
-        return None
-    if name == "outro":
-        return dict(gamma=gamma)
-    if name == "relax":
-        return dict(gamma=gamma, rotate=False)
-    if name == "rotate":
-        return dict(gamma=gamma, relax=False)
-    if name.startswith("rotate_"):
-        return dict(gamma=gamma, relax=False, direction=name.removeprefix("rotate_"), seed=0)
-    if name.startswith("outro_gamma_"):
-        return dict(gamma=float(name.removeprefix("outro_gamma_")))
-    raise SettingsError(f"unknown IFEval setting {name!r}; use relax, rotate, rotate_random_token, "
-                        f"rotate_head_mean or outro_gamma_<g>")
-
-
-def min_pairs_to_decide(alpha: float) -> int:
-    """The fewest paired items an exact McNemar test needs to reach ``alpha`` at all (all of them discordant
-    and one way): 6 at alpha = 0.05."""
-    n = 1
-    while binomial_two_sided(0, n) >= alpha:
-        n += 1
-    return n
-
-
-# ---- statistics on tensors ----------------------------------------------------------------------------------
-
-def pearson(x, y) -> float:
-    x, y = np.asarray(x, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
-    x, y = x - x.mean(), y - y.mean()
-    denominator = np.linalg.norm(x) * np.linalg.norm(y)
-    return float("nan") if denominator == 0 else float(x @ y / denominator)
-
-
-def persistent_sinks(found: dict) -> torch.Tensor:
-    """bool (B, T): positions Phi_LLM flags at at least half of the layers where it flags anything.
-
-    Phi_LLM flags many tokens in a few early layers of Gemma 3 and one token elsewhere; the cumulative set
-    then holds most of the prompt. The persistent set is the token(s) the criterion keeps finding."""
-    layers = sorted(found)
-    per_layer = torch.stack([found[l] for l in layers]).float()                  # (L, B, T)
-    active = per_layer.flatten(2).any(-1).float().sum(0)                          # (B,) layers with any sink
-    return (per_layer.sum(0) >= 0.5 * active[:, None].clamp_min(1)) & per_layer.any(0).bool()
-
-
-def token_categories(tokenizer, input_ids: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """(B, T) int: SINK for ``sinks``, DELIMITER for special tokens and tokens with no letter or digit
-    (punctuation, spaces, newlines: the usual secondary sinks), CONTENT otherwise. The text analog of the
-    paper's modality groups in Table B.4."""
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    out = torch.full(input_ids.shape, CONTENT, dtype=torch.long)
-    for b in range(input_ids.shape[0]):
-        for t, token in enumerate(input_ids[b].tolist()):
-            text = tokenizer.decode([token])
-            if token in special or not any(ch.isalnum() for ch in text):
-                out[b, t] = DELIMITER
-    out[sinks.cpu()] = SINK
-    return out
-
-
-# ---- measurements on a model (no verdicts) -----------------------------------------------------------------
-
-def attention_to_categories(model, batch: dict, categories: torch.Tensor, n_categories: int,
-                            query_rows: torch.Tensor, outro_options: dict | None = None) -> torch.Tensor:
-    """(L, B, C): attention mass that the ``query_rows`` (B, T) bool send to each key category, averaged over
-    heads and those rows; ``categories`` (B, T) int in [0, C). With ``outro_options`` OutRo is active."""
-    device = batch["input_ids"].device
-    one_hot = torch.nn.functional.one_hot(categories.long(), n_categories).float().to(device)   # (B, T, C)
-    rows = query_rows.float().to(device)
-
-    def reduce(pattern, layer):
-        mass = torch.einsum("bhts,bsc->btc", pattern.float(), one_hot) / pattern.shape[1]   # mean over heads
-        return (mass * rows[..., None]).sum(1) / rows.sum(1, keepdim=True).clamp_min(1)
-
-    context = OutRo(model, **outro_options) if outro_options is not None else contextlib.nullcontext()
-    with torch.no_grad(), context, capture(model, points=("pattern",), reducers={"pattern": reduce}) as cap:
-        model(**batch)
-    return cap.stacked("pattern").cpu()
-
-
-def head_alignment(model, batch: dict, sinks_by_layer: dict) -> dict:
-    """Per layer with sinks: sink score and cos(head output, v_bar) of every head at every non-sink row.
-
-    Returns {layer: {"sink_score": (B, H, T), "cosine": (B, H, T), "rows": (B, T) bool}} where sink_score is
-    the attention mass a row puts on the layer's (cumulative) sink positions and v_bar the mean sink value
-    of the row's KV head; rows are the real, non-sink positions."""
-    padding = batch.get("attention_mask")
-    layers = [l for l, s in sorted(sinks_by_layer.items()) if s.any()]
-    if not layers:
-        return {}
-    with torch.no_grad(), capture(model, points=("pattern", "v", "z"), layers=layers) as cap:
-        model(**batch)
-    out = {}
-    for layer in layers:
-        sinks = sinks_by_layer[layer]
-        pattern, value, z = cap["pattern", layer], cap["v", layer].float(), cap["z", layer].float()
-        groups = pattern.shape[1] // value.shape[1]
-        score = (pattern * sinks[:, None, None, :].float()).sum(-1)                            # (B, H, T)
-        weights = sinks.float() / sinks.float().sum(1, keepdim=True).clamp_min(1)
-        v_bar = torch.einsum("bs,bhsd->bhd", weights, value).repeat_interleave(groups, dim=1)  # (B, H, d)
-        cosine = torch.nn.functional.cosine_similarity(z.transpose(1, 2), v_bar[:, :, None], dim=-1)
-        rows = ~sinks
-        if padding is not None:
-            rows &= padding.bool()
-        out[layer] = {"sink_score": score.cpu(), "cosine": cosine.cpu(), "rows": rows.cpu()}
-    return out
-
-
-def alignment_points(per_layer: dict) -> tuple[list[float], pd.DataFrame]:
-    """(Pearson r per layer over all (head, query) points, one row per (layer, head) with mean sink score and
-    mean cosine over the non-sink rows)."""
-    r_layers, points = [], []
-    for layer, a in per_layer.items():
-        rows_mask = a["rows"][:, None, :].expand_as(a["sink_score"])
-        r_layers.append(pearson(a["sink_score"][rows_mask].numpy(), a["cosine"][rows_mask].numpy()))
-        score = (a["sink_score"] * rows_mask).sum((0, 2)) / rows_mask.sum((0, 2))
-        cosine = (a["cosine"] * rows_mask).sum((0, 2)) / rows_mask.sum((0, 2))
-        points += [(layer, h, score[h].item(), cosine[h].item()) for h in range(len(score))]
-    return r_layers, pd.DataFrame(points, columns=["layer", "head", "sink_score", "cosine"])
-
-
-def window_losses(model, input_ids: torch.Tensor, options: dict | None = None, ablate: tuple | None = None,
-                  skip_first: int = 1, chunk: int = 4) -> tuple[np.ndarray, bool]:
-    """(mean next-token loss in nats of each window of ``input_ids`` (B, T), no padding; whether OutRo rotated
-    anything). OutRo is active with ``options``; ``ablate=(layer, head)`` zeroes that head's output before
-    o_proj. The first ``skip_first`` predicted tokens are left out (their context is only the sink).
-    Sequences go through ``chunk`` at a time (Gemma's 262k-token vocabulary makes large logits).
-
-    Mask relaxation is never scored this way: the relaxed sink row reads the whole sequence, so later positions
-    would see the future through the sink."""
-    if options is not None and options.get("relax", True):
-        raise ValueError("a teacher-forced loss cannot score mask relaxation; pass relax=False")
-    edits = {}
-    if ablate is not None:
-        layer, head = ablate
-
-        def zero_head(z, _layer):
-            z = z.clone()
-            z[:, :, head] = 0
-            return z
-        edits[("z", layer)] = zero_head
-    losses, rotated = [], False
-    for start in range(0, input_ids.shape[0], chunk):
-        ids = input_ids[start:start + chunk]
-        active = OutRo(model, **options) if options is not None else None
-        with torch.no_grad(), (active or contextlib.nullcontext()), intervene(model, edits):
-            logits = model(input_ids=ids).logits[:, skip_first:-1]
-        token_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                       ids[:, skip_first + 1:].flatten(), reduction="none")
-        losses += token_loss.view(ids.shape[0], -1).double().mean(1).tolist()
-        rotated |= bool(active is not None and active.state.direction)
-        del logits
-    return np.array(losses), rotated
-
-
-def later_heldout_windows(tokenizer, n_windows: int, length: int) -> torch.Tensor:
-    """The test windows of the rotation-strength claim: cut from the stretch of held-out text after the one the
-    sweep windows come from, so the two sets never overlap."""
-    return heldout_text_windows(tokenizer, n_windows, length, part=1)[0]
-
-
-def benchmark_settings(model, gamma: float) -> dict:
-    """The three settings Table 7 compares, as context factories for ``measures.decoding.benchmark_decoding``:
-    plain SDPA, OutRo on SDPA (which yields the OutRo object, so rows report how many decode rows it rotated)
-    and eager attention."""
-    @contextlib.contextmanager
-    def with_outro():
-        with attention_implementation(model, "sdpa"), OutRo(model, gamma=gamma) as active:
-            yield active
-    return {"sdpa": lambda: attention_implementation(model, "sdpa"), "outro": with_outro,
-            "eager": lambda: attention_implementation(model, "eager")}
 
 
 # ---- finding functions: measurements in, table / figures / claims out ------------------------------------------
@@ -622,10 +437,10 @@ def overhead_finding(measured: dict[str, dict]) -> Finding:
         acted = ratios["outro"]["rotated_decode_rows"] > 0
         notes.append(f"{spec}: OutRo {r:.3f}x plain SDPA per generated token, eager attention {eager:.3f}x (paper "
                      f"2.04x); OutRo keeps {m['state_kib']:.1f} KiB per sequence between steps. Our own benchmark "
-                     f"target, at most {BENCHMARK_TARGET:g}x (scripts/bench_outro.py), is "
-                     f"{'met' if r <= BENCHMARK_TARGET else 'missed'} in this run.")
+                     f"target, at most {OVERHEAD_TARGET:g}x (scripts/bench_outro.py), is "
+                     f"{'met' if r <= OVERHEAD_TARGET else 'missed'} in this run.")
         claims.append(claim(f"overhead_{slug(spec)}", "measured", f"{PAPER}, Table 7",
-                            f"OutRo adds little decoding latency (CPU, against plain SDPA): {spec}", PAPER_OVERHEAD,
+                            f"OutRo adds little decoding latency (CPU, against plain SDPA): {spec}", OUTRO_PAPER_OVERHEAD,
                             round(r, 3), OVERHEAD,
                             precondition=(acted, f"{_no_sink(spec)}; only the hooks were timed")))
     frame = pd.DataFrame(table).set_index(["model", "setting"]) if table else None
@@ -634,268 +449,103 @@ def overhead_finding(measured: dict[str, dict]) -> Finding:
 
 # ---- the chapter ---------------------------------------------------------------------------------------------
 
-class OutRoChapter:
-    """Measures lazily (models, passes and generations are cached on the instance) and returns one finding per
-    notebook section; ``claims`` accumulates every claim, ``results()`` is what the results file holds."""
+class OutRoChapter(Chapter):
+    """One finding per notebook section, each reading the measurements of ``runs.outro_text`` (computed once)."""
+    NAME = NAME
+    PROFILES = PROFILES
 
-    FINDINGS = ("sinks", "redistribution", "alignment", "ablation", "rotation_strength", "compliance",
-                "direction_controls", "overhead")
-
-    def __init__(self, settings: Settings):
-        self.settings = s = settings
-        if not s.models:
-            raise SettingsError("models is empty; give at least one model spec")
-        if not 1 <= s.n_prompts <= N_PROMPTS or not 1 <= s.screen_prompts <= N_PROMPTS:
-            raise SettingsError(f"n_prompts and screen_prompts must lie in 1..{N_PROMPTS} "
-                                f"(15 calibration + 100 pool prompts)")
+    def check(self, s) -> None:
         for name in s.ifeval_extra:
             ifeval_options(name, s.gamma)
-        if len(s.bench) != 3:
-            raise SettingsError(f"bench is [prompt tokens, new tokens, repeats], got {s.bench!r}")
-        if s.threads:
-            torch.set_num_threads(s.threads)
-        self.records = (calibration_prompts() + pool_prompts())
-        self.started = time.perf_counter()
-        self.timings: dict[str, float] = {}
-        self._findings: dict[str, Finding] = {}
-        self._loaded, self._batches, self._states = {}, {}, {}
-        self._heads, self._windows, self._losses, self._generations = {}, {}, {}, {}
-        self._windows_source = ""
 
-    # -- measurements --
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.runs = OutRoTextRuns(settings)
 
-    def loaded(self, spec: str):
-        if spec not in self._loaded:
-            self._loaded[spec] = load_model(spec, device=self.settings.device)
-        return self._loaded[spec]
-
-    def batch(self, spec: str) -> dict:
-        if spec not in self._batches:
-            lm = self.loaded(spec)
-            prompts = [r["prompt"] for r in self.records[:self.settings.analysis_prompts]]
-            self._batches[spec] = encode(lm.tokenizer, prompts, device=lm.device)  # chat template when it has one
-        return self._batches[spec]
-
-    def state(self, spec: str):
-        """Phi_LLM sinks of the analysis prompts (OutRo's own detection, nothing changed)."""
-        if spec not in self._states:
-            self._states[spec] = detect_sinks(self.loaded(spec).model, self.batch(spec))
-        return self._states[spec]
-
-    def first_sink(self, spec: str) -> int | None:
-        state = self.state(spec)
-        return next((l for l in sorted(state.sinks) if state.sinks[l].any()), None)
-
-    def windows(self, spec: str, part: str) -> torch.Tensor:
-        """"sweep": the held-out windows of the ablation, sweep and controls; "test": later, disjoint windows."""
-        if (spec, part) not in self._windows:
-            s, lm = self.settings, self.loaded(spec)
-            if part == "sweep":
-                ids, self._windows_source = heldout_text_windows(lm.tokenizer, s.n_windows, s.window_length)
-            else:
-                ids = later_heldout_windows(lm.tokenizer, s.n_windows, s.window_length)
-            self._windows[spec, part] = ids.to(lm.device)
-        return self._windows[spec, part]
-
-    def losses(self, spec: str, part: str, options: dict | None = None, ablate: tuple | None = None):
-        key = (spec, part, tuple(sorted((options or {}).items())), ablate)
-        if key not in self._losses:
-            self._losses[key] = window_losses(self.loaded(spec).model, self.windows(spec, part), options, ablate)
-        return self._losses[key]
-
-    def generations(self, spec: str, name: str, n_prompts: int) -> dict:
-        """Greedy responses under one IFEval setting, graded: {"passes", "summary", "responses", "seconds"}."""
-        if (spec, name, n_prompts) not in self._generations:
-            s, lm = self.settings, self.loaded(spec)
-            records = self.records[:n_prompts]
-            options = ifeval_options(name, s.gamma)
-            start = time.perf_counter()
-            responses = generate_responses(lm, records, s.max_new_tokens, batch_size=s.batch_size,
-                                           context=(lambda: outro(lm.model, **options)) if options else None)
-            grades = grade(records, responses)
-            self._generations[spec, name, n_prompts] = {
-                "passes": grades.prompt_passes, "summary": grades.summary(), "responses": responses,
-                "seconds": time.perf_counter() - start}
-        return self._generations[spec, name, n_prompts]
-
-    # -- findings, in notebook order --
-
-    def _once(self, name: str, build) -> Finding:
-        if name not in self._findings:
-            start = time.perf_counter()
-            self._findings[name] = build()
-            self.timings[name] = time.perf_counter() - start
-        return self._findings[name]
-
+    @finding
     def sinks(self) -> Finding:
-        return self._once("sinks", lambda: sinks_finding(
-            {spec: self._sink_facts(spec) for spec in self.settings.models}))
+        return sinks_finding({spec: self.runs.sink_facts(spec) for spec in self.settings.models})
 
-    def _sink_facts(self, spec: str) -> dict:
-        lm, batch, state = self.loaded(spec), self.batch(spec), self.state(spec)
-        info = architecture_info(lm)
-        L = info["layers"]
-        mask = batch["attention_mask"]
-        real = mask.sum(1).float().cpu()
-        flagged = torch.stack([state.found[l] for l in range(L)]).float().cpu()          # (L, B, T)
-        share_flagged = (flagged.sum(-1) / real).mean(1)
-        share_cumulative = torch.stack([state.sinks[l] for l in range(L)]).float().cpu().sum(-1).div(real).mean(1)
-        persistent = persistent_sinks(state.found).cpu()
-        first_real = mask.float().argmax(1).cpu()
-        has_sink = self.first_sink(spec) is not None
-        # Without a Phi_LLM sink OutRo rotates nothing; a sink fixed at the last (always real) position still
-        # exercises the rotation step, so the identity check tests something on every model.
-        fixed = {} if has_sink else {"sink_positions": [batch["input_ids"].shape[1] - 1]}
-        with torch.no_grad():
-            plain = lm.model(**batch).logits
-            with outro(lm.model, gamma=0.0, relax=False, **fixed) as o:
-                same = lm.model(**batch).logits
-        return {"layers": L, "heads": info["heads"], "kv_heads": info["kv_heads"],
-                "share_flagged": share_flagged.tolist(), "share_cumulative": share_cumulative.tolist(),
-                "first_sink": self.first_sink(spec),
-                "persistent_is_first_real": bool(all(torch.nonzero(persistent[b]).flatten().tolist()
-                                                     == [first_real[b].item()] for b in range(len(real)))),
-                "relax_layers": default_layers(L)[1], "identical": bool(torch.equal(plain, same)),
-                "rotation_ran": bool(o.state.direction), "check_sinks": "Phi_LLM" if has_sink else "fixed position"}
-
+    @finding
     def redistribution(self) -> Finding:
-        return self._once("redistribution", lambda: redistribution_finding(
-            {spec: self._attention_by_category(spec) for spec in self.settings.models}, self.settings.gamma))
+        return redistribution_finding({spec: self.runs.attention_by_category(spec) for spec in self.settings.models},
+                                      self.settings.gamma)
 
-    def _attention_by_category(self, spec: str) -> dict | None:
-        first = self.first_sink(spec)
-        if first is None:
-            return None
-        lm, batch, state = self.loaded(spec), self.batch(spec), self.state(spec)
-        persistent = persistent_sinks(state.found).cpu()
-        categories = token_categories(lm.tokenizer, batch["input_ids"].cpu(), persistent)
-        queries = batch["attention_mask"].bool().cpu() & ~persistent
-        base = attention_to_categories(lm.model, batch, categories, 3, queries)
-        rotated = attention_to_categories(lm.model, batch, categories, 3, queries,
-                                          outro_options=dict(gamma=self.settings.gamma, rotate=True, relax=False))
-        counts = torch.stack([(categories == c).float().sum(1) for c in range(3)], 1)
-        return {"base": base.numpy(), "rotated": rotated.numpy(), "counts": counts.numpy(), "first_sink": first}
-
-    def head_points(self, spec: str) -> dict | None:
-        if spec not in self._heads:
-            per_layer = head_alignment(self.loaded(spec).model, self.batch(spec), self.state(spec).sinks)
-            if per_layer:
-                r_layers, heads = alignment_points(per_layer)
-                self._heads[spec] = {"r_per_layer": r_layers, "heads": heads}
-            else:
-                self._heads[spec] = None
-        return self._heads[spec]
-
+    @finding
     def alignment(self) -> Finding:
-        return self._once("alignment", lambda: alignment_finding(
-            {spec: self.head_points(spec) for spec in self.settings.models}))
+        return alignment_finding({spec: self.runs.head_points(spec) for spec in self.settings.models})
 
+    @finding
     def ablation(self) -> Finding:
-        return self._once("ablation", self._ablation)
-
-    def _ablation(self) -> Finding:
         measured = {}
         for spec in self.settings.models:
-            base = float(np.mean(self.losses(spec, "sweep")[0]))
+            base = float(np.mean(self.runs.losses(spec, "sweep")[0]))
             rows = []
-            points = self.head_points(spec)
+            points = self.runs.head_points(spec)
             if points is not None:
                 top = points["heads"].sort_values("sink_score", ascending=False).head(self.settings.n_ablation_heads)
                 for h in top.itertuples():
-                    loss = float(np.mean(self.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]))
+                    loss = float(np.mean(self.runs.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]))
                     rows.append({"head": f"L{int(h.layer)}H{int(h.head)}", "sink_score": h.sink_score,
                                  "delta": loss - base})
             measured[spec] = {"baseline_loss": base, "rows": rows}
-        return ablation_finding(measured, f"Held-out text: {self._windows_source}.")
+        return ablation_finding(measured, f"Held-out text: {self.runs.windows_source}.")
 
+    @finding
     def rotation_strength(self) -> Finding:
-        return self._once("rotation_strength", self._rotation_strength)
-
-    def _sweep(self, spec: str) -> dict:
-        s = self.settings
-        sweep, rotated = {}, False
-        for g in sorted(set(s.gammas) | {s.gamma}):
-            sweep[g], acted = self.losses(spec, "sweep", dict(gamma=g, relax=False))
-            rotated |= acted
-        return {"baseline": self.losses(spec, "sweep")[0], "sweep": sweep, "rotated": rotated}
-
-    def _rotation_strength(self) -> Finding:
         measured = {}
         for spec in self.settings.models:
-            m = self._sweep(spec)
+            m = self.runs.sweep(spec)
             m["sweep"] = {g: l for g, l in m["sweep"].items() if g in self.settings.gammas}
             chosen = select_gamma(m["sweep"])
-            m["test_baseline"] = self.losses(spec, "test")[0]
-            m["test_rotated"] = self.losses(spec, "test", dict(gamma=chosen, relax=False))[0]
+            m["test_baseline"] = self.runs.losses(spec, "test")[0]
+            m["test_rotated"] = self.runs.losses(spec, "test", dict(gamma=chosen, relax=False))[0]
             measured[spec] = m
         return rotation_strength_finding(measured)
-
-    def compliance(self) -> Finding:
-        return self._once("compliance", lambda: compliance_finding(self._compliance_runs(), self.settings.gamma,
-                                                                   self.settings.max_new_tokens))
 
     def _compliance_runs(self, with_controls: bool = False) -> dict:
         """Baseline for every model (screening prompts only for a base model), OutRo where the precondition
         holds, and the direction controls when asked."""
         s, out = self.settings, {}
         for spec in s.models:
-            chat = bool(getattr(self.loaded(spec).tokenizer, "chat_template", None))
+            chat = bool(getattr(self.runs.loaded(spec).tokenizer, "chat_template", None))
             n = s.n_prompts if chat else min(s.screen_prompts, s.n_prompts)
-            m = {"chat": chat, "has_sinks": self.first_sink(spec) is not None,
-                 "settings": {"baseline": self.generations(spec, "baseline", n)}}
+            m = {"chat": chat, "has_sinks": self.runs.first_sink(spec) is not None,
+                 "settings": {"baseline": self.runs.generations(spec, "baseline", n)}}
             if _compliance_precondition(spec, m)[0]:
                 names = ["outro", *s.ifeval_extra] + (list(CONTROLS) if with_controls else [])
-                m["settings"].update({name: self.generations(spec, name, n) for name in names})
+                m["settings"].update({name: self.runs.generations(spec, name, n) for name in names})
             out[spec] = m
         return out
 
-    def direction_controls(self) -> Finding:
-        return self._once("direction_controls", self._direction_controls)
+    @finding
+    def compliance(self) -> Finding:
+        return compliance_finding(self._compliance_runs(), self.settings.gamma, self.settings.max_new_tokens)
 
-    def _direction_controls(self) -> Finding:
+    @finding
+    def direction_controls(self) -> Finding:
         s, losses = self.settings, {}
         for spec in s.models:
-            m = {"sink": self._sweep(spec)["sweep"][s.gamma], "rotated": self._sweep(spec)["rotated"]}
+            sweep = self.runs.sweep(spec)
+            m = {"sink": sweep["sweep"][s.gamma], "rotated": sweep["rotated"]}
             for kind in ("random_token", "head_mean"):
-                m[kind] = self.losses(spec, "sweep", dict(gamma=s.gamma, relax=False, direction=kind, seed=0))[0]
+                m[kind] = self.runs.losses(spec, "sweep", dict(gamma=s.gamma, relax=False, direction=kind, seed=0))[0]
             losses[spec] = m
         return direction_controls_finding(losses, self._compliance_runs(with_controls=True), s.gamma)
 
+    @finding
     def overhead(self) -> Finding:
-        return self._once("overhead", self._overhead)
+        return overhead_finding(self.runs.overhead())
 
-    def _overhead(self) -> Finding:
-        s, measured = self.settings, {}
-        prompt_tokens, new_tokens, repeats = s.bench
-        for spec in s.models:
-            lm = self.loaded(spec)
-            ratios = overhead_ratios(benchmark_decoding(lm, benchmark_settings(lm.model, s.gamma), prompt_tokens,
-                                                         new_tokens, repeats))
-            with torch.no_grad(), outro(lm.model, gamma=s.gamma) as o:
-                lm.model(**encode(lm.tokenizer, ["a short prompt to size the state"], device=lm.device))
-            state_bytes = sum(t.numel() * t.element_size() for t in o.state.direction.values())
-            measured[spec] = {"ratios": ratios, "state_kib": state_bytes / 1024}
-        self._bench = measured
-        return overhead_finding(measured)
+    def model_records(self) -> list[dict]:
+        return [lm.record() for lm in self.runs._loaded.values()]
 
-    # -- results --
-
-    @property
-    def claims(self) -> list:
-        return [c for name in self.FINDINGS if name in self._findings for c in self._findings[name].claims]
-
-    def results(self) -> dict:
-        for name in self.FINDINGS:                    # a claim never goes missing because a cell was skipped
-            getattr(self, name)()
-        f = self._findings
+    def extra(self) -> dict:
+        f, generated = self._findings, self.runs._generations
         ifeval = [{"model": spec, "setting": name, **g["summary"], "seconds": g["seconds"]}
-                  for (spec, name, _), g in self._generations.items()]
-        extra = {"sinks": f["sinks"].data["sinks"], "redistribution": f["redistribution"].data["rows"],
-                 "alignment": f["alignment"].data["rows"], "ablation": f["ablation"].data["rows"],
-                 "losses": f["rotation_strength"].data["rows"], "ifeval": ifeval,
-                 "ifeval_examples": {f"{spec} | {name}": g["responses"][:3]
-                                     for (spec, name, _), g in self._generations.items()},
-                 "bench": f["overhead"].data["rows"],
-                 "timings": {**self.timings, "total_s": time.perf_counter() - self.started}}
-        return dict(chapter=CHAPTER, parameters=self.settings.as_dict(), claims=self.claims,
-                    models=[lm.record() for lm in self._loaded.values()], extra=extra)
+                  for (spec, name, _), g in generated.items()]
+        return {"sinks": f["sinks"].data["sinks"], "redistribution": f["redistribution"].data["rows"],
+                "alignment": f["alignment"].data["rows"], "ablation": f["ablation"].data["rows"],
+                "losses": f["rotation_strength"].data["rows"], "ifeval": ifeval,
+                "ifeval_examples": {f"{spec} | {name}": g["responses"][:3] for (spec, name, _), g in generated.items()},
+                "bench": f["overhead"].data["rows"]}

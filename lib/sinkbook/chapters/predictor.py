@@ -15,37 +15,33 @@ of the data and of our code (Table 2 rows adding up to 541, permutation counts a
 """
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
+import functools
 
 import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.paths import REPO_ROOT, results_dir
-from ..core.profiles import Profiles
-from ..core.published import (DELTA_HALF_WIDTH, IFEVAL_PROMPTS, SIX_TASK_COLUMNS, TABLE4_COLUMNS, load_published_statistics,
-                              load_table, reference_family, six_pairs, vlm_family)
+from ..core.models import REAL_MODELS
+from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least, between
+from ..core.published import (DELTA_HALF_WIDTH, IFEVAL_PROMPTS, PRINT_1DP, PRINT_2DP, PRINT_3DP, SIX_TASK_COLUMNS,
+                              TABLE4_COLUMNS, margin_series, rank_series, reference_family, vl_paper_tables,
+                              vlm_family)
 from ..measures import regression as R
+from ..runs.strength import StrengthRuns
+from .base import Chapter, finding
 
-CHAPTER = "predictor"
+
+NAME = "predictor"
 SRC = "VL paper"
 
-PROFILES = Profiles({
-    # compute_missing_s: compute S here (loading the model) when the sink-criteria results file lacks it
-    "quick": dict(models=["smollm2-135m-instruct", "gemma3-270m"], extra_s_values={}, n_bootstrap=2000, seed=0,
-                  level=0.95, compute_missing_s=True, s_prompts=15, s_window=10, consistent_s_levels=21),
-    "default": dict(models=["smollm2-135m-instruct", "gemma3-270m"], extra_s_values={}, n_bootstrap=20000, seed=0,
-                    level=0.95, compute_missing_s=True, s_prompts=15, s_window=10, consistent_s_levels=21),
-    "gpu": dict(models=["smollm2-135m-instruct", "gemma3-270m"], extra_s_values={}, n_bootstrap=20000, seed=0,
-                level=0.95, compute_missing_s=True, s_prompts=15, s_window=10, consistent_s_levels=21),
-})
+# compute_missing_s: compute S here (loading the model) when the sink-criteria results file lacks it
+_BOOK = dict(models=list(REAL_MODELS), extra_s_values={}, n_bootstrap=20000, seed=0, level=0.95, compute_missing_s=True,
+             s_prompts=15, s_window=10, consistent_s_levels=21)
+PROFILES = Profiles({"quick": {**_BOOK, "n_bootstrap": 2000}, "default": _BOOK, "gpu": dict(_BOOK)},
+                    limits=dict(n_bootstrap=at_least(100), seed=NON_NEGATIVE, level=between(0.5, 0.999),
+                                s_prompts=between(1, 15), s_window=POSITIVE, consistent_s_levels=at_least(2)))
 
 # ------------------------------------------------------------------------------------------------ rules
-PRINT_1DP = 0.05      # half the last printed digit: a value printed with one decimal
-PRINT_2DP = 0.005
-PRINT_3DP = 0.0005
 S_INPUTS = "S +-0.005 and deltas +-0.05"
 EXACT_INPUTS = "S +-0.005; IFEval deltas exact from Table 2 counts"
 
@@ -66,46 +62,10 @@ NEAR_S_PRINTED = 1.18         # the printed S nearest the paper's "S = 1.2" (the
 NEAR_S_WIDE = 0.15            # a wider window, reported as a note only
 HEADLINE_BOUNDS = Rule.true("the two printed bounds hold on Table 6")
 PER_HEAD_MAX_LOSS, NO_QK_MIN_LOSS = 5.4, 7.9      # VL paper, Sections 1 and 3.1
-RANGES_CONTAIN = Rule.true("printed ranges contain the table's values")
-PLATEAU_SHIFT = 0.06          # VL paper, App. D.1
-PLATEAU = Rule(f"largest shift <= {PLATEAU_SHIFT:g}", lambda v: v <= PLATEAU_SHIFT + 1e-9)   # printed values
-ORDERING_STABLE = Rule.true("both hold on Table 9")
 NONE_FAILING = Rule.at_most(0, "failures")
 BOOTSTRAP_SHOWN = ("six / IFEval", "17 pairs / IFEval", "9 pairs / IFEval")   # the panels the figure draws
 
-# Table 5, Section 4.3: "The marginal proxy median(G) - median(B) is near zero on both per-head QK-RMSNorm pairs
-# and strongly negative on all three no-QK-RMSNorm pairs." The paper gives no numbers for "near zero" and
-# "strongly negative"; we fix them from what Lemma 1 makes of a margin m = G - B, before reading Table 5's
-# margins (the thresholds are ours, stated in nats because m is a difference of log-odds):
-#   Lemma 1 bounds the non-sink mass after adaptation by sigma(-m). Around m = 0 the logistic is close to
-#   linear (sigma(-m) ~ 1/2 - m/4): the bound says "about half", neither a guarantee that the sink keeps its
-#   majority nor room for its collapse. We call m "near zero" while the bound stays in that linear part,
-#   |m| <= 1/2 nat (bound between sigma(-1/2) = 0.38 and sigma(1/2) = 0.62).
-#   "Strongly negative" needs the perturbation to have more than undone the sink's lead by a full e-fold,
-#   m <= -1 nat: the bound then lets the non-sink keys take at least sigma(1) = 0.73 of the mass (odds of at
-#   least e : 1 against the sink). Margins between -1 and -1/2 are "moderately negative": neither.
-# The paper's own "strong sink" level (G > 2 nats, App. D.2) would mirror to m <= -2 nats; the chapter
-# reports, as a note, how the claim reads under that stricter threshold.
-NEAR_ZERO_NATS = 0.5
-STRONGLY_NEGATIVE_NATS = -1.0
-MIRRORED_STRONG_NATS = -2.0
-NEAR_ZERO = Rule.between(-NEAR_ZERO_NATS, NEAR_ZERO_NATS, "G-B")
-STRONGLY_NEGATIVE = Rule.at_most(STRONGLY_NEGATIVE_NATS, "G-B")
-MARGIN_SPLIT = Rule(f"every per-head pair: {NEAR_ZERO.text}; every no-QK-norm pair: {STRONGLY_NEGATIVE.text} "
-                    f"(nats; thresholds ours, from Lemma 1's sigma(B-G))",
-                    lambda m: all(map(NEAR_ZERO, m["per-head"])) and all(map(STRONGLY_NEGATIVE, m["none"])))
-LAYERWISE_NEGATIVE = Rule(f"every layerwise pair: {STRONGLY_NEGATIVE.text} (nats; threshold ours, as above)",
-                          lambda margins: all(map(STRONGLY_NEGATIVE, margins)))
 PREDICTION_CHECKED = Rule.true("the IFEval change of a VLM built on this model lies in the prediction interval")
-
-
-def margin_reading(margin: float) -> str:
-    """What the Table 5 rule calls a margin (nats)."""
-    if NEAR_ZERO(margin):
-        return "near zero"
-    if STRONGLY_NEGATIVE(margin):
-        return "strongly negative"
-    return "moderately negative" if margin < 0 else "positive"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -129,27 +89,6 @@ def close_claim(claim_id: str, kind: str, source: str, statement: str, paper_val
                 tolerance: float, why: str):
     return claim(claim_id, kind, source, statement, paper_value, float(our_value),
                  Rule.close_to(paper_value, tolerance, "ours", why))
-
-
-def _margin_series(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame) -> dict:
-    """The Table 5 margin against the IFEval change: the six pairs (exact deltas), and the seven Table 5 pairs
-    (printed deltas, MolmoE-1B's from Table 11)."""
-    margin6 = t5.merge(six[["pair", "delta_ifeval_counts"]], on="pair")
-    printed = dict(zip(t11.pair, t11.delta_ifeval)) | dict(zip(six.pair, six.ifeval))
-    margin7 = t5[t5.pair.isin(printed)]
-    return {("six, margin G-B", "IFEval"): (margin6.g_minus_b, margin6.delta_ifeval_counts),
-            ("seven, margin G-B", "IFEval"): (margin7.g_minus_b, margin7.pair.map(printed))}
-
-
-def _uncertainty_series(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame, t12: pd.DataFrame) -> dict:
-    """(panel, task) -> (x, y): every rank correlation the chapter reports an interval for."""
-    series = {("six", task): (six.s, six.delta_ifeval_counts if task == "IFEval" else six[col])
-              for task, col in SIX_TASK_COLUMNS.items()}
-    series[("17 pairs", "IFEval")] = (t11.s, t11.delta_ifeval)
-    for task, col in (("IFEval", "delta_ifeval"), ("GSM8K", "delta_gsm8k"), ("EQ-Bench", "delta_eq_bench"),
-                      ("GPQA-D", "delta_gpqa_d")):
-        series[("9 pairs", task)] = (t12.s, t12[col])
-    return series | _margin_series(six, t5, t11)
 
 
 # ---------------------------------------------------------------------------------------------- findings
@@ -382,7 +321,7 @@ def _bootstrap_figure(samples: dict, names, n_bootstrap: int):
 
 def margin_correlation_finding(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame, published: dict) -> Finding:
     """Section 3.3: rho of the Table 5 margin G-B with the IFEval change (0.89), against rho of S (0.97)."""
-    series = _margin_series(six, t5, t11)
+    series = margin_series(six, t5, t11)
     rho6 = float(R.spearman_rho(*series[("six, margin G-B", "IFEval")]))
     rho7 = float(R.spearman_rho(*series[("seven, margin G-B", "IFEval")]))
     rho_s = float(R.spearman_rho(six.s, six.delta_ifeval_counts))
@@ -455,132 +394,6 @@ def s_rule_finding(t11: pd.DataFrame, six: pd.DataFrame, published: dict) -> Fin
                    data={"per_pair": rule})
 
 
-def table5_finding(t5: pd.DataFrame, published: dict) -> Finding:
-    """Table 5 and Lemma 1: the printed margins, what Lemma 1 makes of them, the Sec. 4.3 split, App. A.6."""
-    lemma = t5.set_index("pair")[["qk", "g_base", "b_gap", "g_minus_b"]].copy()
-    recomputed_margin = lemma.g_base - lemma.b_gap
-    lemma["bound sigma(B-G)"] = R.lemma1_bound(lemma.g_base, lemma.b_gap)
-    lemma["reading"] = lemma.g_minus_b.map(margin_reading)
-    worst = float((lemma.g_minus_b - recomputed_margin).abs().max().round(3))
-    claims = [close_claim("table5_margin_arithmetic", "recomputed", f"{SRC}, Table 5",
-                          "printed G-B equals printed G minus printed B (worst pair)", 0.0, worst, 0.015,
-                          "G and B each rounded +-0.005 and their difference rounded again +-0.005")]
-    by_class = {qk: list(lemma.g_minus_b[lemma.qk == qk]) for qk in ("per-head", "none", "layerwise")}
-    text = ", ".join(f"{pair} {m:+.2f}" for pair, m in lemma.g_minus_b[lemma.qk.isin(["per-head", "none"])].items())
-    claims.append(claim("table5_margin_split", "recomputed", f"{SRC}, Section 4.3 and Table 5",
-                        "the margin G-B is near zero on both per-head QK-norm pairs and strongly negative on all three "
-                        "no-QK-norm pairs", "near zero / strongly negative", text, MARGIN_SPLIT, value=by_class,
-                        precondition=(len(by_class["per-head"]) > 0 and len(by_class["none"]) > 0,
-                                      "Table 5 lacks a per-head or a no-QK-norm pair")))
-    layerwise = lemma.g_minus_b[lemma.qk == "layerwise"]
-    claims.append(claim("table5_layerwise_strongly_negative", "recomputed", f"{SRC}, Section 4.3 and Table 5",
-                        "both layerwise QK-norm pairs carry strongly negative margins", "strongly negative",
-                        ", ".join(f"{pair} {m:+.2f}" for pair, m in layerwise.items()), LAYERWISE_NEGATIVE,
-                        value=list(layerwise), precondition=(len(layerwise) > 0, "Table 5 lists no layerwise pair")))
-    worked = R.lemma1_worst_case(3.0, 0.4, 64)
-    claims += [
-        close_claim("lemma1_sanity_check", "math", f"{SRC}, App. A.6", "worst-case non-sink mass for G=3, B=0.4, 64 keys",
-                    published["lemma1_check_empirical_text"], worked["non_sink_mass"], PRINT_3DP,
-                    "printed with three decimals"),
-        close_claim("lemma1_bound_tight", "math", f"{SRC}, App. A.6",
-                    "the logistic bound sigma(0.4 - 3.0) at the same point",
-                    published["lemma1_check_bound_text"], worked["bound"], PRINT_3DP, "printed with three decimals"),
-        close_claim("strong_sink_threshold", "math", f"{SRC}, App. D.2", "G_base > 2 is the same as a_sink > 0.881",
-                    0.881, float(R.sigmoid(2.0)), PRINT_3DP, "printed with three decimals"),
-    ]
-    no_qk = lemma.g_minus_b[lemma.qk == "none"]
-    mirrored = int((no_qk <= MIRRORED_STRONG_NATS).sum())
-    notes = [f"The rule, fixed from Lemma 1 before reading the margins (thresholds ours): near zero means "
-             f"|G-B| <= {NEAR_ZERO_NATS:g} nat, where the bound sigma(B-G) stays between "
-             f"{float(R.sigmoid(-NEAR_ZERO_NATS)):.2f} and {float(R.sigmoid(NEAR_ZERO_NATS)):.2f}; strongly negative "
-             f"means G-B <= {STRONGLY_NEGATIVE_NATS:g} nat, where the bound lets the non-sink keys take at least "
-             f"{float(R.sigmoid(-STRONGLY_NEGATIVE_NATS)):.2f} of the mass.",
-             f"Under the stricter reading that mirrors the paper's strong-sink level (G-B <= {MIRRORED_STRONG_NATS:g} "
-             f"nats), {mirrored} of the {len(no_qk)} no-QK-norm pairs would count as strongly negative "
-             f"({', '.join(f'{p} {m:+.2f}' for p, m in no_qk.items())}).",
-             f"A sink majority is guaranteed only where G-B > 0: "
-             f"{', '.join(lemma.index[lemma.g_minus_b > 0]) or 'no pair'}. The App. A.6 worked example gives "
-             f"{worked['non_sink_mass']:.4f} realised against a bound of {worked['bound']:.4f}."]
-    table = lemma.rename(columns={"qk": "QK-norm", "g_base": "G", "b_gap": "B", "g_minus_b": "G-B"})
-    return Finding("Table 5 and Lemma 1", claims=claims, table=table, notes=notes)
-
-
-def trajectory_finding(t14: pd.DataFrame) -> Finding:
-    """App. F.2 / Table 14: VL versus text-only training of the same 3B backbone, step by step."""
-    after = t14[t14.step > 0]
-    holds = bool(after.vl_ifeval.between(34, 44).all() and t14.vl_s.iloc[-1] == 0.20
-                 and after.text_s.between(0.58, 0.65).all())
-    claims = [claim("table14_ranges", "recomputed", f"{SRC}, App. F.2",
-                    "VL run: IFEval within 34-44 after step 0 and S falls 0.41 -> 0.20; text run: S within 0.58-0.65",
-                    "34-44; 0.41 -> 0.20; 0.58-0.65",
-                    f"IFEval {after.vl_ifeval.min():.1f}-{after.vl_ifeval.max():.1f}; S {t14.vl_s.iloc[0]:.2f} -> "
-                    f"{t14.vl_s.iloc[-1]:.2f}; text S {after.text_s.min():.2f}-{after.text_s.max():.2f}",
-                    RANGES_CONTAIN, value=holds)]
-    text_loss = float(t14.text_ifeval.iloc[0] - t14.text_ifeval.iloc[-1])
-    rho_within = float(R.spearman_rho(after.vl_s, after.vl_ifeval))
-    notes = [f"The text-only run ends {text_loss:.1f} pt below its start; its mean loss over the later steps is "
-             f"{float(t14.text_ifeval.iloc[0] - after.text_ifeval.mean()):.1f} pt. Within the VL run (steps after 0), "
-             f"Spearman rho(S, IFEval) = {rho_within:+.2f}."]
-    return Finding("The trajectories of Table 14", claims=claims, figures=[_trajectory_figure(t14)], notes=notes)
-
-
-def _trajectory_figure(t14: pd.DataFrame):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("Sink Strength by step", "IFEval by step",
-                                                        "IFEval against S (after step 0)"))
-    after = t14[t14.step > 0]
-    for run, s_col, ifeval_col, colour in (("VL adaptation", "vl_s", "vl_ifeval", "#d95f02"),
-                                           ("Tulu (text-only)", "text_s", "text_ifeval", "#1b9e77")):
-        fig.add_trace(go.Scatter(x=t14.step, y=t14[s_col], mode="lines+markers", name=run, legendgroup=run,
-                                 line=dict(color=colour)), row=1, col=1)
-        fig.add_trace(go.Scatter(x=t14.step, y=t14[ifeval_col], mode="lines+markers", name=run, legendgroup=run,
-                                 line=dict(color=colour), showlegend=False), row=1, col=2)
-        fig.add_trace(go.Scatter(x=after[s_col], y=after[ifeval_col], mode="markers", name=run, legendgroup=run,
-                                 marker=dict(color=colour), showlegend=False, customdata=after.step,
-                                 hovertemplate="step %{customdata}<br>S = %{x:.2f}<br>IFEval = %{y:.1f}<extra></extra>"),
-                      row=1, col=3)
-    fig.update_xaxes(title_text="step", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=2)
-    fig.update_xaxes(title_text="S", row=1, col=3)
-    fig.update_layout(height=360, legend=dict(orientation="h", y=-0.25))
-    return fig
-
-
-def derived_numbers_finding(t3: pd.DataFrame, t6: pd.DataFrame, t8: pd.DataFrame, t9: pd.DataFrame,
-                            published: dict) -> Finding:
-    """Mean rows and ratios the paper prints, recomputed from the table bodies (Tables 3, 6, 8, 9)."""
-    claims = []
-    for number, frame, cols in ((6, t6, ["mmlu", "boolq", "ifeval", "eq_bench", "gsm8k", "gpqa"]),
-                                (8, t8, ["mbpp", "mmlu_pro", "ruler"])):
-        body, mean_row = frame[frame.pair != "Mean"], frame[frame.pair == "Mean"].iloc[0]
-        worst = max(abs(body[c].mean() - mean_row[c]) for c in cols)
-        claims.append(close_claim(f"table{number}_mean_row", "recomputed", f"{SRC}, Table {number}",
-                                  f"printed mean row of Table {number} (worst column)", 0.0, worst, 2 * PRINT_1DP,
-                                  "rows printed +-0.05, mean printed +-0.05"))
-    ratios = (t3.text_only_delta / t3.vl_delta).where(t3.text_only_delta < 0)
-    paper_ratio = published["text_only_max_ratio_text"]
-    claims.append(claim("table3_text_only_ratio", "recomputed", f"{SRC}, Section 3.1 and Table 3",
-                        f"where the text-only endpoint loses, it loses at most {paper_ratio:g}x the VL gap",
-                        f"<= {paper_ratio:g}", f"{ratios.max():.3f} ({t3.bench[ratios.idxmax()]})",
-                        Rule.at_most(paper_ratio, "largest ratio"), value=float(ratios.max())))
-    means = t9.pivot(index="pair", columns="n_prompts", values="margin_mean")
-    sds = t9.pivot(index="pair", columns="n_prompts", values="margin_sd")
-    shift = float((means[10] - means[100]).abs().max())
-    claims.append(claim("table9_plateau", "recomputed", f"{SRC}, App. D.1",
-                        f"largest |G-B(N=10) - G-B(N=100)| over the six pairs is at most {PLATEAU_SHIFT:g}",
-                        f"<= {PLATEAU_SHIFT:g}", round(shift, 4), PLATEAU, value=shift))
-    ranks_stable = all((means[n].rank() == means[15].rank()).all() for n in means.columns)
-    signs_stable = bool(((means > 0).sum(axis=1).isin([0, len(means.columns)])).all())
-    claims.append(claim("table9_ordering", "recomputed", f"{SRC}, App. D.1",
-                        "pair ordering and sign of G-B do not change with N",
-                        "no change", f"ranks identical for every N: {ranks_stable}; signs constant: {signs_stable}; "
-                        f"max sd at N=15: {sds[15].max():.2f}, at N=50: {sds[50].max():.2f}", ORDERING_STABLE,
-                        value=ranks_stable and signs_stable))
-    table = means.rename(columns=lambda n: f"N={n}")
-    return Finding("Other numbers the paper derives from its tables", claims=claims, table=table)
-
-
 def scatter_finding(six: pd.DataFrame, t11: pd.DataFrame) -> Finding:
     """The 17-pair panel against the six-pair fit (interactive), and the six held-out residuals."""
     import plotly.graph_objects as go
@@ -615,35 +428,6 @@ def scatter_finding(six: pd.DataFrame, t11: pd.DataFrame) -> Finding:
                             hovertemplate="%{x}: %{y:+.2f} pt<extra></extra>"))
     bars.update_layout(title="Six pairs: observed minus held-out prediction", yaxis_title="pt", height=340)
     return Finding("S against the IFEval change", figures=[fig, bars])
-
-
-def sink_strengths_from_results(models: list[str], path: str | Path) -> pd.DataFrame:
-    """S per model from the sink-criteria chapter's results file (``extra.sink_strength[spec]["S"]``).
-
-    Columns: model, S (NaN when the file does not hold it), source, note (why not)."""
-    path = Path(path)
-    entries, why = {}, ""
-    if not path.exists():
-        why = f"{_shown(path)} does not exist yet (build the sink-criteria chapter first)"
-    else:
-        try:
-            entries = json.loads(path.read_text()).get("extra", {}).get("sink_strength", {}) or {}
-            why = f"{_shown(path)} has no Sink Strength for this model"
-        except (json.JSONDecodeError, AttributeError) as err:
-            why = f"{_shown(path)} could not be read ({err})"
-    rows = []
-    for spec in models:
-        entry = entries.get(spec) if isinstance(entries, dict) else None
-        value = entry.get("S") if isinstance(entry, dict) else None
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            rows.append({"model": spec, "S": float(value), "source": f"read from {_shown(path)}", "note": ""})
-        else:
-            rows.append({"model": spec, "S": np.nan, "source": "", "note": why})
-    return pd.DataFrame(rows, columns=["model", "S", "source", "note"])
-
-
-def _shown(path: Path) -> str:
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def placement_finding(strengths: pd.DataFrame, six: pd.DataFrame, t11: pd.DataFrame, level: float) -> Finding:
@@ -716,153 +500,80 @@ def _placement_figure(placement: pd.DataFrame, six: pd.DataFrame, level: float):
 
 
 # ---------------------------------------------------------------------------------------------- chapter
-class Predictor:
-    """The chapter: published tables read once, findings in notebook order, our models loaded only for S."""
+class PredictorChapter(Chapter):
+    """The published tables read once, the findings in notebook order, our models' S only for the placement."""
+    NAME = NAME
+    PROFILES = PROFILES
 
     def __init__(self, settings):
-        self.settings = settings
-        self.claims: list = []
-        self._findings: dict[str, Finding] = {}
-        self._tables: dict | None = None
-        self._strengths: pd.DataFrame | None = None
-        self._model_records: list[dict] = []
+        super().__init__(settings)
+        self.strengths = StrengthRuns(settings)
 
-    @property
+    @functools.cached_property
     def tables(self) -> dict:
-        if self._tables is None:
-            self._tables = {"six": six_pairs(), "published": load_published_statistics(),
-                            **{n: load_table(n) for n in (2, 3, 4, 5, 6, 8, 9, 11, 12, 14)}}
-            self._tables[4] = self._tables[4].set_index("row")
-        return self._tables
+        return vl_paper_tables()
 
-    def _finding(self, name: str, make) -> Finding:
-        if name not in self._findings:
-            finding = make()
-            self._findings[name] = finding
-            self.claims += finding.claims
-        return self._findings[name]
-
+    @finding
     def published_data(self) -> Finding:
-        return self._finding("published_data", lambda: published_data_finding(self.tables["six"], self.tables[2]))
+        return published_data_finding(self.tables["six"], self.tables[2])
 
+    @finding
     def rank_correlation(self) -> Finding:
-        return self._finding("rank_correlation", lambda: rank_correlation_finding(self.tables["six"], self.tables[4]))
+        return rank_correlation_finding(self.tables["six"], self.tables[4])
 
+    @finding
     def lopo_error(self) -> Finding:
-        return self._finding("lopo_error", lambda: lopo_error_finding(self.tables["six"], self.tables["published"]))
+        return lopo_error_finding(self.tables["six"], self.tables["published"])
 
+    @finding
     def table10(self) -> Finding:
-        return self._finding("table10", lambda: table10_finding(self.tables["six"], self.tables["published"],
-                                                                self.settings.consistent_s_levels))
+        return table10_finding(self.tables["six"], self.tables["published"], self.settings.consistent_s_levels)
 
+    @finding
     def per_task_errors(self) -> Finding:
-        return self._finding("per_task_errors", lambda: per_task_error_finding(self.tables["six"], self.tables[4]))
+        return per_task_error_finding(self.tables["six"], self.tables[4])
 
+    @finding
     def constant_baseline(self) -> Finding:
-        return self._finding("constant_baseline", lambda: constant_baseline_finding(self.tables["six"]))
+        return constant_baseline_finding(self.tables["six"])
 
+    @finding
     def panel_correlations(self) -> Finding:
-        return self._finding("panel_correlations", lambda: panel_correlation_finding(
-            self.tables[11], self.tables[12], self.tables["published"]))
+        return panel_correlation_finding(self.tables[11], self.tables[12], self.tables["published"])
 
+    @finding
     def uncertainty(self) -> Finding:
-        t = self.tables
-        s = self.settings
-        return self._finding("uncertainty", lambda: uncertainty_finding(
-            _uncertainty_series(t["six"], t[5], t[11], t[12]), s.n_bootstrap, s.seed, s.level))
+        t, s = self.tables, self.settings
+        return uncertainty_finding(rank_series(t["six"], t[5], t[11], t[12]), s.n_bootstrap, s.seed, s.level)
 
+    @finding
     def margin_correlation(self) -> Finding:
         t = self.tables
-        return self._finding("margin_correlation",
-                             lambda: margin_correlation_finding(t["six"], t[5], t[11], t["published"]))
+        return margin_correlation_finding(t["six"], t[5], t[11], t["published"])
 
+    @finding
     def group_out(self) -> Finding:
-        return self._finding("group_out", lambda: group_out_finding(self.tables["six"], self.tables[11]))
+        return group_out_finding(self.tables["six"], self.tables[11])
 
+    @finding
     def s_rule(self) -> Finding:
         t = self.tables
-        return self._finding("s_rule", lambda: s_rule_finding(t[11], t["six"], t["published"]))
+        return s_rule_finding(t[11], t["six"], t["published"])
 
-    def table5(self) -> Finding:
-        return self._finding("table5", lambda: table5_finding(self.tables[5], self.tables["published"]))
-
-    def trajectories(self) -> Finding:
-        return self._finding("trajectories", lambda: trajectory_finding(self.tables[14]))
-
-    def derived_numbers(self) -> Finding:
-        t = self.tables
-        return self._finding("derived_numbers", lambda: derived_numbers_finding(t[3], t[6], t[8], t[9], t["published"]))
-
+    @finding
     def scatter(self) -> Finding:
-        return self._finding("scatter", lambda: scatter_finding(self.tables["six"], self.tables[11]))
+        return scatter_finding(self.tables["six"], self.tables[11])
 
+    @finding
     def placement(self) -> Finding:
-        return self._finding("placement", lambda: placement_finding(
-            self.sink_strengths(), self.tables["six"], self.tables[11], self.settings.level))
+        return placement_finding(self.strengths.sink_strengths(), self.tables["six"], self.tables[11],
+                                 self.settings.level)
 
-    # -- measuring our models -------------------------------------------------------------------------
-    def sink_strengths(self) -> pd.DataFrame:
-        """S of each model: from the sink-criteria results file, else measured here, else NaN with the reason."""
-        if self._strengths is None:
-            s = self.settings
-            given = dict(s.extra_s_values)          # a value the reader gives wins over ours
-            models = [m for m in dict.fromkeys(s.models) if m not in given]
-            strengths = sink_strengths_from_results(models, results_dir() / "sink_criteria.json")
-            for i, row in strengths.iterrows():
-                if np.isfinite(row.S):
-                    self._model_records.append(_record_without_loading(row.model))
-                    continue
-                if not s.compute_missing_s:
-                    strengths.loc[i, "note"] = f"{row.note}; measuring S here is off (compute_missing_s)"
-                    continue
-                value, source, why = self._measure_s(row.model)
-                strengths.loc[i, ["S", "source", "note"]] = [value, source, f"{row.note}; {why}" if why else ""]
-            for name, value in given.items():
-                number = _number(value)
-                why = "" if math.isfinite(number) else f"the S given, {value!r}, is not a number"
-                strengths.loc[len(strengths)] = {"model": name, "S": number, "source": "given by the reader", "note": why}
-            self._strengths = strengths
-        return self._strengths
+    def model_records(self) -> list[dict]:
+        return self.strengths.model_records
 
-    def _measure_s(self, spec: str) -> tuple[float, str, str]:
-        """S on the calibration prompts over the last ``s_window`` layers (all layers of a shallower model)."""
-        from ..core.arch import n_layers
-        from ..core.models import load_model
-        from ..core.prompts import prompt_texts
-        from ..measures.strength import sink_strength
-        try:
-            loaded = load_model(spec, device=self.settings.device)
-            window = min(int(self.settings.s_window), n_layers(loaded.model))
-            result = sink_strength(loaded, prompt_texts(self.settings.s_prompts), window=window)
-            value = float(result.strength(window))
-        except Exception as err:  # any spec a reader passes: a failure is a reason, not a traceback
-            return float("nan"), "", f"measuring S for {spec!r} failed: {type(err).__name__}: {err}"
-        self._model_records.append(loaded.record())
-        if not math.isfinite(value):
-            return value, "", f"S of {spec!r} is not finite (no query sees two keys)"
-        clipped = ("" if window == self.settings.s_window
-                   else f", over all {window} layers: the model has fewer than {self.settings.s_window}")
-        return value, f"measured here on {self.settings.s_prompts} prompts{clipped}", ""
-
-    def results(self) -> dict:
-        used = self._strengths.to_dict(orient="records") if self._strengths is not None else []
-        extra = {"sink_strength_used": used}
-        if "uncertainty" in self._findings:
-            extra["uncertainty"] = self._findings["uncertainty"].data["uncertainty"].to_dict(orient="records")
-        if "table10" in self._findings:
-            consistent = self._findings["table10"].data["consistent"]
-            extra["consistent_s"] = {"values": consistent["s_values"], "max_deviation": consistent["max_deviation"]}
-        return dict(chapter=CHAPTER, parameters=self.settings.as_dict(), claims=self.claims,
-                    models=self._model_records, extra=extra)
-
-
-def _number(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-def _record_without_loading(spec: str) -> dict:
-    from ..core.models import BUILTIN_MODELS
-    return {"spec": spec, "id": BUILTIN_MODELS.get(spec, spec), "files": {}}
+    def extra(self) -> dict:
+        consistent = self._findings["table10"].data["consistent"]
+        return {"sink_strength_used": self.strengths.sink_strengths().to_dict(orient="records"),
+                "uncertainty": self._findings["uncertainty"].data["uncertainty"].to_dict(orient="records"),
+                "consistent_s": {"values": consistent["s_values"], "max_deviation": consistent["max_deviation"]}}

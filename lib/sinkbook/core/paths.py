@@ -1,6 +1,7 @@
 """Where sinkbook reads and writes: the repository, the cache of models and trained runs, the results files."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -10,6 +11,14 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 def cache_root() -> Path:
     """``$SINKBOOK_CACHE`` or ``~/.cache/sinkbook``: dequantised models, corpora, trained runs."""
     return Path(os.environ.get("SINKBOOK_CACHE", Path.home() / ".cache" / "sinkbook")).expanduser()
+
+
+def cache_key(doc: dict, length: int = 12) -> str:
+    """The one run-cache key: a hash of a configuration's JSON with sorted keys, so equal settings share an
+    entry whatever order they were written in. Every cached run, evaluation and measurement is named by it."""
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:length]
 
 
 def results_dir() -> Path:
@@ -53,7 +62,34 @@ def write_json(path: str | Path, doc, strict: bool = True) -> Path:
     import json
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")       # two writers never share a temporary file
     tmp.write_text(json.dumps(jsonable(doc, strict), indent=1))
     tmp.replace(path)
     return path
+
+
+@contextlib.contextmanager
+def entry_lock(path: str | Path, waiting: str = ""):
+    """Hold the lock of one cache entry (``<path>.lock``) while it is computed and written: a second process that
+    wants the same entry waits here, then finds it written (check for the entry again after entering). The lock
+    is an ``flock``, so it goes with the process that held it, however that process ended."""
+    import fcntl
+    import sys
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            print(f"[sinkbook] waiting for {holder}, which is computing {waiting or path}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

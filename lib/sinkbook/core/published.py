@@ -26,6 +26,7 @@ TABLE_FILES = {
 IFEVAL_PROMPTS = 541          # Table 2: the IFEval set each backbone is scored on
 S_HALF_WIDTH = 0.005          # S is printed with two decimals
 DELTA_HALF_WIDTH = 0.05       # task deltas are printed with one decimal
+PRINT_1DP, PRINT_2DP, PRINT_3DP = 0.05, 0.005, 0.0005   # half the last digit of a value printed with 1-3 decimals
 # task name -> column of the six-pair frame (Table 6) and column of Table 4
 SIX_TASK_COLUMNS = {"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa"}
 TABLE4_COLUMNS = {"IFEval": "ifeval", "EQ-Bench": "eq_bench", "GSM8K": "gsm8k", "GPQA-D": "gpqa_d"}
@@ -99,3 +100,42 @@ def reference_family(reference_llm: str) -> str:
         if reference_llm.startswith(prefix):
             return family
     raise DataError(f"no family known for reference LLM {reference_llm!r}")
+
+
+GRADIENT_SINKS_0P3B = REPO_ROOT / "data" / "gradient_sinks_paper" / "reported_0p3b.csv"
+
+
+def reported_0p3b(path: str | Path | None = None) -> dict[str, tuple[float, float]]:
+    """{quantity: (baseline, V-scale)} as the paper reports them at 0.3B."""
+    table = pd.read_csv(path or GRADIENT_SINKS_0P3B)
+    return {r.quantity: (float(r.baseline), float(r.vscale)) for r in table.itertuples()}
+
+
+def vl_paper_tables() -> dict:
+    """Every table the predictor chapter reads: "six" (``six_pairs``), "published" (the statistics printed in the
+    text) and the numbered tables (Table 4 indexed by its row label)."""
+    tables = {"six": six_pairs(), "published": load_published_statistics(),
+              **{n: load_table(n) for n in (2, 3, 4, 5, 6, 8, 9, 11, 12, 14)}}
+    tables[4] = tables[4].set_index("row")
+    return tables
+
+
+def margin_series(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame) -> dict:
+    """The Table 5 margin against the IFEval change: the six pairs (exact deltas), and the seven Table 5 pairs
+    (printed deltas, MolmoE-1B's from Table 11)."""
+    margin6 = t5.merge(six[["pair", "delta_ifeval_counts"]], on="pair")
+    printed = dict(zip(t11.pair, t11.delta_ifeval)) | dict(zip(six.pair, six.ifeval))
+    margin7 = t5[t5.pair.isin(printed)]
+    return {("six, margin G-B", "IFEval"): (margin6.g_minus_b, margin6.delta_ifeval_counts),
+            ("seven, margin G-B", "IFEval"): (margin7.g_minus_b, margin7.pair.map(printed))}
+
+
+def rank_series(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame, t12: pd.DataFrame) -> dict:
+    """(panel, task) -> (x, y): every rank correlation the chapter reports an interval for."""
+    series = {("six", task): (six.s, six.delta_ifeval_counts if task == "IFEval" else six[col])
+              for task, col in SIX_TASK_COLUMNS.items()}
+    series[("17 pairs", "IFEval")] = (t11.s, t11.delta_ifeval)
+    for task, col in (("IFEval", "delta_ifeval"), ("GSM8K", "delta_gsm8k"), ("EQ-Bench", "delta_eq_bench"),
+                      ("GPQA-D", "delta_gpqa_d")):
+        series[("9 pairs", task)] = (t12.s, t12[col])
+    return series | margin_series(six, t5, t11)

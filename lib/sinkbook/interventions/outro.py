@@ -337,3 +337,14 @@ def detect_sinks(model, batch: dict) -> OutRoState:
     with torch.no_grad(), OutRo(model, rotate=False, relax=False) as o:
         model(**batch)
     return o.state
+
+
+def persistent_sinks(found: dict) -> torch.Tensor:
+    """bool (B, T): positions Phi_LLM flags at at least half of the layers where it flags anything.
+
+    Phi_LLM flags many tokens in a few early layers of Gemma 3 and one token elsewhere; the cumulative set
+    then holds most of the prompt. The persistent set is the token(s) the criterion keeps finding."""
+    layers = sorted(found)
+    per_layer = torch.stack([found[l] for l in layers]).float()                  # (L, B, T)
+    active = per_layer.flatten(2).any(-1).float().sum(0)                          # (B,) layers with any sink
+    return (per_layer.sum(0) >= 0.5 * active[:, None].clamp_min(1)) & per_layer.any(0).bool()

@@ -15,12 +15,15 @@ or eager) is untouched. Families that normalise values after the projection are 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..core.arch import arch_for, decoder_layers, get_module, head_dim, text_config
+from ..measures.gradprobes import ProbeResult, probe_batch
 
 SIGMA = 0.02
 
@@ -200,3 +203,22 @@ def raw_value_norms(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 def vscale_constant(d_model: int, d_head: int, theta: float = 0.0, sigma: float = SIGMA) -> float:
     return d_model * d_head * sigma**2 * math.exp(theta)
+
+
+def valve_constant(theta, d_model: int, d_head: int, sigma: float = SIGMA) -> np.ndarray:
+    """C = d_model d_head sigma^2 exp(theta), per (layer, head)."""
+    return d_model * d_head * sigma**2 * np.exp(np.asarray(theta, dtype=float))
+
+
+def probe_raw_values(model, input_ids) -> ProbeResult:
+    """``probe_batch`` on a V-scale model, with the value path (gradient and norms) taken at the raw value states
+    before V-scale, where the paper takes it (the hook library's ``v_proj`` point is after V-scale)."""
+    with raw_values(model) as raw:
+        probe = probe_batch(model, input_ids)
+    return dataclasses.replace(probe, grad_v=raw.grad_norms().numpy(), value_norm=raw.norms().numpy())
+
+
+def theta_halves(theta) -> tuple[float, float]:
+    """Mean learned theta over the first and over the second half of the layers ((layers, heads) array)."""
+    theta = np.asarray(theta)
+    return float(theta[: max(1, len(theta) // 2)].mean()), float(theta[len(theta) // 2:].mean())

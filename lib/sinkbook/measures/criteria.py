@@ -5,7 +5,13 @@ paper Sec. 3.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+
+from ..core.hooks import capture
+from ..core.models import encode
 
 
 def phi_llm(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,8 +203,6 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
     """
     import pandas as pd
 
-    from ..core.hooks import capture
-    from ..core.models import encode
     model = loaded.model
     batch = encode(loaded.tokenizer, prompts, chat=chat, device=loaded.device)
     mask = batch["attention_mask"]
@@ -252,3 +256,49 @@ def sink_census(loaded, prompts: list[str], chat: bool | None = None, taus=(20.0
     return {"layers": pd.DataFrame(rows), "sink_dims": dims, "sink_dims_are_massive": bool(massive),
             "outlier_dims": outlier_dimensions(exceeding, len(inputs)), "n_tokens": int(mask.sum()),
             "n_prompts": len(prompts)}
+
+
+def late_query_attention(model, input_ids, key_masks: dict, first_query: int = 32) -> dict:
+    """{name: (layers, heads) array}: the mean attention mass that queries at positions >= ``first_query`` put on
+    the keys selected by each (batch, tokens) boolean mask, e.g. token 0 or every line break. Reduced per head
+    inside the capture hook, so no (layers x heads x T x T) tensor is kept."""
+    if input_ids.shape[1] <= first_query:
+        raise ValueError(f"sequences of {input_ids.shape[1]} tokens have no query at position >= {first_query}")
+    device = next(model.parameters()).device
+    masks = {name: m.to(device=device, dtype=torch.float32) for name, m in key_masks.items()}
+    shares: dict = {name: {} for name in masks}
+
+    def reduce(pattern, layer):                       # (B, H, T, S)
+        late = pattern[:, :, first_query:, :].float()
+        for name, m in masks.items():
+            shares[name][layer] = (late * m[:, None, None, :]).sum(-1).mean((0, 2)).cpu().numpy()
+        return None
+
+    with torch.no_grad(), capture(model, points=("pattern",), reducers={"pattern": reduce}):
+        model(input_ids=input_ids.to(device))
+    return {name: np.stack([per_layer[l] for l in sorted(per_layer)]) for name, per_layer in shares.items()}
+
+
+def uniform_share(key_mask, first_query: int = 32) -> float:
+    """What ``late_query_attention`` would give for a head that spreads attention evenly over the causal past."""
+    m = key_mask.float()
+    seen = m.cumsum(1) / torch.arange(1, m.shape[1] + 1)  # share of masked keys among 0..t
+    return float(seen[:, first_query:].mean())
+
+
+def census_summary(census: dict, hidden_size: int, taus) -> dict:
+    """One model's census (``criteria.sink_census``) reduced to the shares the claims read."""
+    per_layer, n_tokens = census["layers"], census["n_tokens"]
+    n_layers = len(per_layer)
+    deep = per_layer[per_layer.layer >= 2 * n_layers // 3]
+    flagged = int(per_layer.phi_llm_sinks.sum())
+    row = {"sqrt(D)": math.sqrt(hidden_size), "sink dims": list(census["sink_dims"]),
+           "massive dims found": bool(census["sink_dims_are_massive"]),
+           "Phi_LLM share (all layers)": flagged / (n_tokens * n_layers),
+           "Phi_LLM flags that are token 0": 1 - per_layer.phi_llm_other_tokens.sum() / max(flagged, 1),
+           "layers with a Phi_LLM sink": int((per_layer.phi_llm_sinks > 0).sum())}
+    for t in taus:
+        row[f"Phi_VLM tau={t:g} share, last third"] = deep[f"phi_vlm_{t:g}"].sum() / (n_tokens * len(deep))
+    row["Phi_LLM share, last third"] = deep.phi_llm_sinks.sum() / (n_tokens * len(deep))
+    row["Phi_LLM flags"] = flagged
+    return row

@@ -8,6 +8,9 @@ import time
 
 import torch
 
+OUTRO_PAPER_OVERHEAD = 1.11     # OutRo paper, Table 7: 1.09 s / 0.98 s per token, OutRo over FlashAttention
+OVERHEAD_TARGET = 1.10          # ours: the latency target of scripts/bench_outro.py, not a claim of the paper
+
 
 class PeakMemory:
     """Peak memory above the starting level while the block runs: CUDA allocator peak on a GPU, resident set

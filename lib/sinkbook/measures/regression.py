@@ -30,6 +30,13 @@ def midranks(values) -> np.ndarray:
     return stats.rankdata(np.asarray(values, dtype=float), axis=-1)
 
 
+def pearson(x, y) -> float:
+    x, y = np.asarray(x, dtype=np.float64).ravel(), np.asarray(y, dtype=np.float64).ravel()
+    x, y = x - x.mean(), y - y.mean()
+    denominator = np.linalg.norm(x) * np.linalg.norm(y)
+    return float("nan") if denominator == 0 else float(x @ y / denominator)
+
+
 def spearman_rho(x, y) -> np.ndarray:
     """Spearman's rho as Pearson's r of midranks, along the last axis (batched). NaN when a side is constant."""
     rx, ry = midranks(x), midranks(y)

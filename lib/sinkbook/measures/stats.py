@@ -97,3 +97,12 @@ def paired_bootstrap(first, second, alpha: float, higher_is_better: bool = True,
     return PairedTest("paired bootstrap", len(diff), effect, float(p), alpha, _outcome(effect, p, alpha),
                       {"interval": (float(low), float(high)), "resamples": resamples,
                        "mean_first": float(x.mean()), "mean_second": float(y.mean())})
+
+
+def min_pairs_to_decide(alpha: float) -> int:
+    """The fewest paired items an exact McNemar test needs to reach ``alpha`` at all (all of them discordant
+    and one way): 6 at alpha = 0.05."""
+    n = 1
+    while binomial_two_sided(0, n) >= alpha:
+        n += 1
+    return n

@@ -14,6 +14,8 @@ rules). The formulas are restated on the book's methods page (book/methods.md); 
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 
@@ -793,3 +795,15 @@ def vscale_jacobian_table(seed: int, points: int, constants=(0.01, 1.0, 100.0)) 
             rows.append(dict(C=c, r_over_C=r["r"] / c, closed_err=r["closed_form_max_abs_err"],
                              eig_err=r["eig_max_abs_err"], op_norm=r["op_norm"], radial=r["radial"]))
     return pd.DataFrame(rows)
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """The matrices here are small: one BLAS thread is faster than several spin-waiting on a shared CPU."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(1):
+        yield

@@ -31,7 +31,6 @@ share of every global batch and the result matches one process with the same glo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..core.models import load_model, resolve_device
-from ..core.paths import cache_root
+from ..core.paths import cache_key, cache_root
 from .digits import TASKS, load_digit_splits, make_examples
 from .loop import Every, fit, warmup_cosine
 from .remedies import INTERVENTIONS, RecipeChange
@@ -102,9 +101,8 @@ class AdaptConfig:
         return out
 
     def key(self, tag: str = "") -> str:
-        blob = json.dumps({"format": RUN_FORMAT, "tag": tag, **self.record()}, sort_keys=True)
         name = Path(self.model).name if ("/" in self.model or self.model.endswith(".gguf")) else self.model
-        return f"{name}-{self.modality}-s{self.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return f"{name}-{self.modality}-s{self.seed}-" + cache_key({"format": RUN_FORMAT, "tag": tag, **self.record()})
 
 
 @dataclasses.dataclass

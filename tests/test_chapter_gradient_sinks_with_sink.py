@@ -1,5 +1,6 @@
-"""The second half of the gradient-sinks chapter: claims gated on what each needs, the retrofit's start, quantised
-evaluation leaving the model untouched, and the per-group learning-rate scale of the training loop."""
+"""The chapter on models with a sink: pretrained probes and synthetic-setting claims gated on what each needs, the
+retrofit's start, quantised evaluation leaving the model untouched, the per-group learning-rate scale of the
+training loop, and the quick profile on tiny models of every family."""
 import copy
 
 import numpy as np
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from sinkbook.chapters import gradient_sinks_with_sink as ws
+from sinkbook.core.claims import NOT_COMPARABLE
+from sinkbook.core.models import TINY_FAMILIES
+from sinkbook.runs import vscale_setting as runs
 from sinkbook.interventions.vscale import apply_vscale, calibrated_theta, learned_theta, vscale_values
 from sinkbook.training.loop import fit
 
@@ -106,7 +110,7 @@ def test_quantised_weights_leave_the_model_untouched_and_residual_hooks_go(loade
     model = loaded.model.eval()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [torch.randint(0, 200, (2, 16))]
-    table = ws.quantisation_rows({"tiny": model}, batches)
+    table = runs.quantisation_rows({"tiny": model}, batches)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert np.isfinite(table.drop(columns="model").to_numpy(dtype=float)).all()
     assert table.loc[0, "int4 weights: loss increase"] != 0.0
@@ -124,7 +128,7 @@ def test_a_parameter_group_runs_at_its_lr_scale():
 def _retrofit_result(pre=None, plain=None, vs=None):
     base = {"median R_GS": 30.0, "Sink^eps middle": 0.9, "token-0 ratio": 20.0, "token-0 norm": 100.0,
             "val loss": 3.0}
-    quant = {f"{q}: loss increase": 0.01 for q in ws.QUANTISERS}
+    quant = {f"{q}: loss increase": 0.01 for q in runs.QUANTISERS}
     arms = {"pretrained": {**base, **(pre or {})}, "plain fine-tune": {**base, **(plain or {})},
             "V-scale fine-tune": {**base, "token-0 norm": 40.0, "median R_GS": 10.0, **(vs or {})}}
     return {"config": {"model": "m"}, "arms": {k: {"numbers": v, "quantisation": {**quant, "largest |h|": 1.0}}
@@ -145,12 +149,57 @@ def test_retrofit_claims_compare_with_the_plain_fine_tune_and_need_the_phenomena
 
 def test_quantisation_claim_needs_a_removed_massive_activation():
     setting = pd.DataFrame([{"model": "baseline (seed 0)", "largest |h|": 1.0,
-                             **{f"{q}: loss increase": 0.01 for q in ws.QUANTISERS}},
+                             **{f"{q}: loss increase": 0.01 for q in runs.QUANTISERS}},
                             {"model": "V-scale (seed 0)", "largest |h|": 1.0,
-                             **{f"{q}: loss increase": 0.001 for q in ws.QUANTISERS}}])
+                             **{f"{q}: loss increase": 0.001 for q in runs.QUANTISERS}}])
     f = ws.quantisation_finding(setting, (False, "no massive activation"), _retrofit_result())
     c = _by_id(f.claims)
     assert c["bb_vscale_easier_to_quantise"].holds == "not comparable"
     assert c["retrofit_easier_to_quantise"].holds is False          # equal increases: not easier
     f = ws.quantisation_finding(setting, (True, ""), None)
     assert _by_id(f.claims)["bb_vscale_easier_to_quantise"].holds is True
+
+
+from test_chapter_gradient_sinks import fake_probe  # noqa: E402  (the synthetic probe of the sibling tests)
+
+
+def test_pretrained_claims_are_gated_on_the_models_sink():
+    real = {"tiny-llama": fake_probe(r_gs=1.5, sink=0.0, ratio=1.0), "smollm2-135m-instruct": fake_probe(r_gs=24)}
+    finding = ws.pretrained_finding(real, skipped={"gone": "no file"})
+    c = {x.id: x for x in finding.claims}
+    assert set(c) == {"tiny_llama_rgs_range", "tiny_llama_value_spike", "smollm2_135m_instruct_rgs_range",
+                      "smollm2_135m_instruct_value_spike"}
+    assert c["tiny_llama_rgs_range"].holds == NOT_COMPARABLE and c["tiny_llama_value_spike"].holds == NOT_COMPARABLE
+    assert c["smollm2_135m_instruct_rgs_range"].holds is True
+    assert c["smollm2_135m_instruct_value_spike"].holds is True          # value 3x, key 2x
+    assert any("gone: not available" in n for n in finding.notes)
+    assert any("tiny-llama shows no attention sink" in n for n in finding.notes)
+    assert list(finding.table.columns) == list(real)
+    nothing = ws.pretrained_finding({}, skipped={"gone": "no file"})
+    assert not nothing.claims and nothing.notes
+
+
+def test_quick_profile_runs_on_tiny_models_of_every_family(tmp_path, monkeypatch):
+    """The chapter end to end on the quick profile, with a tiny random model of every family as the 'pretrained'
+    models: they have no sink, so their claims are not comparable, and nothing raises."""
+    from sinkbook.book.results import write_results
+    from sinkbook.core.paths import cache_root
+    real = cache_root()
+    (tmp_path / "cache").mkdir()
+    for name in ("shakespeare", "synthetic"):
+        if (real / name).exists():
+            (tmp_path / "cache" / name).symlink_to(real / name)
+    monkeypatch.setenv("SINKBOOK_CACHE", str(tmp_path / "cache"))
+    specs = [f"tiny-{family}" for family in TINY_FAMILIES]
+    chapter = ws.GradientSinksWithSinkChapter(ws.PROFILES.resolve("quick", device="cpu", real_models=specs))
+    doc = __import__("json").loads(write_results(**chapter.results(), directory=tmp_path / "results").read_text())
+    ids = [c["id"] for c in doc["claims"]]
+    assert len(ids) == len(set(ids))
+    for spec in specs:
+        for suffix in ("rgs_range", "value_spike"):
+            c = next(c for c in doc["claims"] if c["id"] == f"{ws.slug(spec)}_{suffix}")
+            assert c["holds"] == NOT_COMPARABLE and "no attention sink" in c["why_not_comparable"]
+    checks = [c for c in doc["claims"] if c["must_hold"]]
+    assert {c["id"] for c in checks} == {"pretrained_grad_q0_zero", "pretrained_probes_finite"}
+    assert all(c["holds"] is True for c in checks)
+    assert {m["spec"] for m in doc["models"]} == set(specs)

@@ -1,0 +1,51 @@
+"""The one process pool: jobs in spawned worker processes, one torch thread each, results in order.
+
+A worker dies with the process that started it: on Linux the kernel sends it SIGKILL when its parent ends
+(``PR_SET_PDEATHSIG``), however the parent ended, so a killed build never leaves training running behind it;
+elsewhere a thread in the worker watches for the parent to go. What a killed job had started to write is never
+read: cache entries are published atomically, under a lock (``core.paths.entry_lock``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have this process receive ``sig`` when its parent process ends."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:          # the parent ended before the request took effect
+            os.kill(os.getpid(), sig)
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _worker_start() -> None:
+    import torch
+    die_with_parent()
+    torch.set_num_threads(1)
+
+
+def run_jobs(job_fn: Callable[[dict], object], jobs: list[dict], workers: int) -> list:
+    """``job_fn(job)`` for every job, ``workers`` at a time in separate processes (spawned, so no state leaks
+    between jobs and the parent's threads do not fork); with one worker or one job, in this process."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [job_fn(job) for job in jobs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                             initializer=_worker_start) as pool:
+        return list(pool.map(job_fn, jobs))
