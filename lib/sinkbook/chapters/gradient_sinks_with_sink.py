@@ -10,6 +10,7 @@ V-scale added to pretrained SmolLM2, which has both a sink and a massive activat
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -373,28 +374,22 @@ class GradientSinksWithSinkChapter(Chapter):
     NAME = NAME
     PROFILES = PROFILES
 
-    @property
+    @functools.cached_property
     def pretrained_probes(self) -> dict:
-        if not hasattr(self, "_pretrained"):
-            s = self.settings
-            self._pretrained = probe_pretrained(s.real_models, s.real_batch, s.real_context, s.device)
-        return self._pretrained
+        s = self.settings
+        return probe_pretrained(s.real_models, s.real_batch, s.real_context, s.device)
 
-    @property
+    @functools.cached_property
     def setting(self) -> tuple[dict, dict, dict, dict]:
-        if not hasattr(self, "_setting"):
-            s = self.settings
-            self._setting = setting_pairs(s.sink_steps, s.sink_seeds, resolve_device(s.device), s.use_cache)
-        return self._setting
+        s = self.settings
+        return setting_pairs(s.sink_steps, s.sink_seeds, resolve_device(s.device), s.use_cache)
 
-    @property
+    @functools.cached_property
     def retrofit_result(self) -> dict:
-        if not hasattr(self, "_retrofit"):
-            s = self.settings
-            self._retrofit = retrofit_measurements(RetrofitConfig(model=s.retrofit_model, steps=s.retrofit_steps),
-                                                   probe_batch_size=s.real_batch, probe_context=s.real_context,
-                                                   device=resolve_device(s.device))
-        return self._retrofit
+        s = self.settings
+        return retrofit_measurements(RetrofitConfig(model=s.retrofit_model, steps=s.retrofit_steps),
+                                     probe_batch_size=s.real_batch, probe_context=s.real_context,
+                                     device=resolve_device(s.device))
 
     @finding
     def pretrained(self) -> Finding:

@@ -477,18 +477,7 @@ class OutRoChapter(Chapter):
 
     @finding
     def ablation(self) -> Finding:
-        measured = {}
-        for spec in self.settings.models:
-            base = float(np.mean(self.runs.losses(spec, "sweep")[0]))
-            rows = []
-            points = self.runs.head_points(spec)
-            if points is not None:
-                top = points["heads"].sort_values("sink_score", ascending=False).head(self.settings.n_ablation_heads)
-                for h in top.itertuples():
-                    loss = float(np.mean(self.runs.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]))
-                    rows.append({"head": f"L{int(h.layer)}H{int(h.head)}", "sink_score": h.sink_score,
-                                 "delta": loss - base})
-            measured[spec] = {"baseline_loss": base, "rows": rows}
+        measured = {spec: self.runs.head_ablation(spec, self.settings.n_ablation_heads) for spec in self.settings.models}
         return ablation_finding(measured, f"Held-out text: {self.runs.windows_source}.")
 
     @finding
@@ -524,14 +513,8 @@ class OutRoChapter(Chapter):
 
     @finding
     def direction_controls(self) -> Finding:
-        s, losses = self.settings, {}
-        for spec in s.models:
-            sweep = self.runs.sweep(spec)
-            m = {"sink": sweep["sweep"][s.gamma], "rotated": sweep["rotated"]}
-            for kind in ("random_token", "head_mean"):
-                m[kind] = self.runs.losses(spec, "sweep", dict(gamma=s.gamma, relax=False, direction=kind, seed=0))[0]
-            losses[spec] = m
-        return direction_controls_finding(losses, self._compliance_runs(with_controls=True), s.gamma)
+        losses = {spec: self.runs.direction_losses(spec, self.settings.gamma) for spec in self.settings.models}
+        return direction_controls_finding(losses, self._compliance_runs(with_controls=True), self.settings.gamma)
 
     @finding
     def overhead(self) -> Finding:

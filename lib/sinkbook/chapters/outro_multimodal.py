@@ -25,7 +25,7 @@ comparable" and says why. Measurements run one model per worker process; the fin
 """
 from __future__ import annotations
 
-import time
+import functools
 
 import numpy as np
 import pandas as pd
@@ -36,7 +36,7 @@ from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above,
 from ..measures.stats import HURTS, IMPROVES, mcnemar_exact, min_pairs_to_decide
 from ..runs import adaptation as adaptation_jobs
 from ..runs.adaptation_records import vision_learned
-from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_models
+from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_adapted
 from .base import Chapter, all_of, finding
 
 
@@ -484,28 +484,15 @@ class OutRoMultimodalChapter(Chapter):
         return adaptation_jobs.recipe(s.profile, device=s.device, **{**s.adaptation, "models": list(s.models),
                                                                       "seeds": [s.seed], "workers": s.workers})
 
-    @property
+    @functools.cached_property
     def measured(self) -> dict[str, dict]:
         """Per model spec, the record of ``runs.multimodal.measure_model`` on its adapted vision run."""
-        if not hasattr(self, "_measured"):
-            device = resolve_device(self.settings.device)
-            start = time.perf_counter()
-            listed = [j for j in adaptation_jobs.adaptation_jobs(self.recipe) if j.get("config", {}).get("modality")
-                      == "vision"]
-            docs = adaptation_jobs.run_adaptation_jobs(listed, self.settings.workers, device)
-            runs = {j["config"]["model"]: d for j, d in zip(listed, docs)}
-            self.adaptation = {m: {"accuracy": d["vision"]["accuracy"], "n": len(d["vision"]["per_item"])}
-                               for m, d in runs.items() if d.get("vision")}
-            self.timings["adaptation runs"] = round(time.perf_counter() - start, 1)
-            start = time.perf_counter()
-            settings = {k: v for k, v in self.settings.values.items() if k != "adaptation"}
-            settings["tasks"] = list(self.recipe.tasks)
-            ours = [{"spec": spec, "directory": runs[spec]["directory"], "device": device, "settings": settings}
-                    for spec in self.settings.models]
-            results = measure_models(ours, self.settings.workers if device == "cpu" else 1)
-            self._measured = {job["spec"]: m for job, m in zip(ours, results)}
-            self.timings["measurements"] = round(time.perf_counter() - start, 1)
-        return self._measured
+        settings = {k: v for k, v in self.settings.values.items() if k != "adaptation"}
+        settings["tasks"] = list(self.recipe.tasks)
+        self.adaptation, measured, seconds = measure_adapted(self.recipe, self.settings.models, settings,
+                                                             self.settings.workers, resolve_device(self.settings.device))
+        self.timings.update(seconds)
+        return measured
 
     @finding
     def models(self) -> Finding:

@@ -13,6 +13,7 @@ minutes once they exist; the finding functions below read their records.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -360,19 +361,17 @@ class VLAdaptationChapter(Chapter):
     NAME = NAME
     PROFILES = PROFILES
 
-    @property
+    @functools.cached_property
     def records(self) -> tuple[dict, dict]:
         """(``base[model]``, ``runs[(model, modality, seed)]``): every evaluation record, computed where missing."""
-        if not hasattr(self, "_records"):
-            start = time.perf_counter()
-            listed = jobs.adaptation_jobs(self.settings)
-            docs = jobs.run_adaptation_jobs(listed, self.settings.workers, resolve_device(self.settings.device))
-            base = {j["model"]: d for j, d in zip(listed, docs) if j["kind"] == "base"}
-            runs = {(j["config"]["model"], j["config"]["modality"], j["config"]["seed"]): d
-                    for j, d in zip(listed, docs) if j["kind"] == "run"}
-            self._records = base, runs
-            self.timings["records"] = round(time.perf_counter() - start, 1)
-        return self._records
+        start = time.perf_counter()
+        listed = jobs.adaptation_jobs(self.settings)
+        docs = jobs.run_adaptation_jobs(listed, self.settings.workers, resolve_device(self.settings.device))
+        base = {j["model"]: d for j, d in zip(listed, docs) if j["kind"] == "base"}
+        runs = {(j["config"]["model"], j["config"]["modality"], j["config"]["seed"]): d
+                for j, d in zip(listed, docs) if j["kind"] == "run"}
+        self.timings["records"] = round(time.perf_counter() - start, 1)
+        return base, runs
 
     @finding
     def run(self) -> Finding:

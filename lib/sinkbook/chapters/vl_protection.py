@@ -15,6 +15,7 @@ on which plain adaptation hurts (``FORMAT_TASK``).
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -394,26 +395,23 @@ class VLProtectionChapter(Chapter):
         return jobs.recipe(s.profile, device=s.device, models=self.models,
                            seeds=sorted(set(s.seeds) | set(s.merge_seeds)), workers=s.workers)
 
-    @property
+    @functools.cached_property
     def records(self) -> tuple[dict, dict, dict]:
         """(``base[model]``, ``runs[(model, arm, seed)]``, ``starts[(model, arm)]``), computed where missing."""
-        if not hasattr(self, "_records"):
-            start = time.perf_counter()
-            s = self.settings
-            listed = jobs.protection_jobs(self.recipe, s.interventions, s.seeds, s.merges, s.merge_models,
-                                          s.merge_seeds)
-            docs = jobs.run_adaptation_jobs(listed, s.workers, resolve_device(s.device))
-            base, runs, starts = {}, {}, {}
-            for job, doc in zip(listed, docs):
-                if job["kind"] == "base":
-                    base[job["model"]] = doc
-                elif job["kind"] == "start":
-                    starts[(job["model"], job["intervention"])] = doc
-                else:
-                    runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
-            self._records = base, runs, starts
-            self.timings["records"] = round(time.perf_counter() - start, 1)
-        return self._records
+        start = time.perf_counter()
+        s = self.settings
+        listed = jobs.protection_jobs(self.recipe, s.interventions, s.seeds, s.merges, s.merge_models, s.merge_seeds)
+        docs = jobs.run_adaptation_jobs(listed, s.workers, resolve_device(s.device))
+        base, runs, starts = {}, {}, {}
+        for job, doc in zip(listed, docs):
+            if job["kind"] == "base":
+                base[job["model"]] = doc
+            elif job["kind"] == "start":
+                starts[(job["model"], job["intervention"])] = doc
+            else:
+                runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
+        self.timings["records"] = round(time.perf_counter() - start, 1)
+        return base, runs, starts
 
     @finding
     def run(self) -> Finding:

@@ -26,6 +26,7 @@ from ..measures.decoding import time_settings
 from ..training.digits import load_digit_splits, make_examples
 from ..training.probes import answer_matches, chance_level, held_out_vision_examples
 from ..training.vlm import IMAGE_MARKER, encode_examples, load_vlm
+from .adaptation import adaptation_jobs, run_adaptation_jobs
 from .pool import run_jobs
 
 
@@ -534,6 +535,25 @@ def measure_models(jobs: list[dict], workers: int) -> list[dict]:
     if workers <= 1 or len(jobs) <= 1:
         return [measure_model(job) for job in jobs]
     return run_jobs(measure_model, [{**job, "threads": 1} for job in jobs], workers)
+
+
+def measure_adapted(recipe, models: list, settings: dict, workers: int, device: str) -> tuple[dict, dict, dict]:
+    """The vision runs of ``models`` under the adaptation ``recipe`` (trained where missing, else read from the
+    cache), each measured once: (accuracy of each run as the adaptation evaluated it, ``measure_model``'s record
+    per model spec, seconds of the two stages)."""
+    start = time.perf_counter()
+    listed = [j for j in adaptation_jobs(recipe) if j.get("config", {}).get("modality") == "vision"]
+    docs = run_adaptation_jobs(listed, workers, device)
+    runs = {j["config"]["model"]: d for j, d in zip(listed, docs)}
+    adaptation = {m: {"accuracy": d["vision"]["accuracy"], "n": len(d["vision"]["per_item"])}
+                  for m, d in runs.items() if d.get("vision")}
+    seconds = {"adaptation runs": round(time.perf_counter() - start, 1)}
+    start = time.perf_counter()
+    jobs = [{"spec": spec, "directory": runs[spec]["directory"], "device": device, "settings": settings}
+            for spec in models]
+    results = measure_models(jobs, workers if device == "cpu" else 1)
+    seconds["measurements"] = round(time.perf_counter() - start, 1)
+    return adaptation, {job["spec"]: m for job, m in zip(jobs, results)}, seconds
 
 
 # ---- decoding overhead with image tokens in the prompt (scripts/bench_outro.py --vlm) -------------------------------

@@ -304,6 +304,27 @@ class OutRoTextRuns:
             rotated |= acted
         return {"baseline": self.losses(spec, "sweep")[0], "sweep": sweep, "rotated": rotated}
 
+    def head_ablation(self, spec: str, n_heads: int) -> dict:
+        """Sweep-window loss with each of the ``n_heads`` heads of highest sink score zeroed, against none zeroed."""
+        base = float(np.mean(self.losses(spec, "sweep")[0]))
+        rows = []
+        points = self.head_points(spec)
+        if points is not None:
+            top = points["heads"].sort_values("sink_score", ascending=False).head(n_heads)
+            for h in top.itertuples():
+                loss = float(np.mean(self.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]))
+                rows.append({"head": f"L{int(h.layer)}H{int(h.head)}", "sink_score": h.sink_score,
+                             "delta": loss - base})
+        return {"baseline_loss": base, "rows": rows}
+
+    def direction_losses(self, spec: str, gamma: float) -> dict:
+        """Sweep-window losses rotating toward the sink value (from the sweep), a random token's value, the head mean."""
+        sweep = self.sweep(spec)
+        m = {"sink": sweep["sweep"][gamma], "rotated": sweep["rotated"]}
+        for kind in ("random_token", "head_mean"):
+            m[kind] = self.losses(spec, "sweep", dict(gamma=gamma, relax=False, direction=kind, seed=0))[0]
+        return m
+
     def overhead(self) -> dict:
         """Per model: decode-latency ratios of OutRo and eager attention against plain SDPA, and OutRo's state."""
         s, measured = self.settings, {}
