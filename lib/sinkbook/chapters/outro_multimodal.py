@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.models import resolve_device
+from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above, between, each
 from ..measures.stats import HURTS, IMPROVES, mcnemar_exact, min_pairs_to_decide
 from ..runs import adaptation as adaptation_jobs
@@ -45,10 +45,10 @@ PAPER = "OutRo paper"
 
 PROFILES = Profiles({
     # quick: CI; the adaptation chapter's 6-step run does not learn the digits, so every claim is gated off
-    "quick": dict(models=["smollm2-135m-instruct"], seed=0, n_test=12, n_val=4, gammas=[1.0],
+    "quick": dict(models=[SMOLLM2], seed=0, n_test=12, n_val=4, gammas=[1.0],
                   prune_keep=[0.5], analysis_items=4, batch_size=16, workers=1, adaptation={}),
     # default: the book; test questions = the adaptation chapter's 100 held-out questions, one model per core
-    "default": dict(models=["smollm2-135m-instruct", "gemma3-270m"], seed=0, n_test=100, n_val=30,
+    "default": dict(models=[SMOLLM2, GEMMA3], seed=0, n_test=100, n_val=30,
                     gammas=[0.5, 1.0, 2.0, 3.0, 4.0], prune_keep=[0.5], analysis_items=24, batch_size=16,
                     workers=2, adaptation={}),
     "gpu": dict(models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"], seed=0, n_test=300, n_val=100,

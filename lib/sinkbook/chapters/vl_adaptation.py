@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.models import resolve_device
+from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, above, subset_of
 from ..core.published import six_pairs
 from ..measures.regression import fit_line, spearman_rho
@@ -41,7 +41,7 @@ KNOWLEDGE_DROP_PT = 2.3         # App. C.1: MMLU / BoolQ drops never exceed 2.3 
 FORMAT_TASKS = ("ifeval", "arithmetic_strict", "arithmetic_flexible")
 KNOWLEDGE_TASKS = ("knowledge_mc",)
 
-_MODELS = {"quick": ["smollm2-135m-instruct"], "default": ["smollm2-135m-instruct", "gemma3-270m"],
+_MODELS = {"quick": [SMOLLM2], "default": [SMOLLM2, GEMMA3],
            "gpu": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"]}
 _SEEDS = {"quick": [0], "default": [0, 1], "gpu": [0, 1, 2]}
 _WORKERS = {"quick": 2, "default": 2, "gpu": 1}

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim, slug
-from ..core.models import resolve_device
+from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
 from ..measures.stats import paired_bootstrap
 from ..runs import adaptation as jobs
@@ -45,15 +45,15 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
           "text_blend": "text re-blended", **{f"merge:{m}": f"merge {m}" for m in MERGES}}
 
 PROFILES = Profiles({
-    "quick": dict(interventions={"smollm2-135m-instruct": ["protection"]}, seeds=[0], merges=["uniform"],
-                  merge_models=["smollm2-135m-instruct"], merge_seeds=[0], workers=2),
+    "quick": dict(interventions={SMOLLM2: ["protection"]}, seeds=[0], merges=["uniform"],
+                  merge_models=[SMOLLM2], merge_seeds=[0], workers=2),
     # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
     # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
     # but task arithmetic (with the adapted model's own base it is the adapted model itself; its claim says so),
     # of both seeds. Frozen LLM, LoRA and text re-blending are the gpu profile's (and one command away here).
-    "default": dict(interventions={"smollm2-135m-instruct": ["inject_qk_norm"],
-                                   "gemma3-270m": ["protection", "fix_qk_norm"]},
-                    seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=["gemma3-270m"],
+    "default": dict(interventions={SMOLLM2: ["inject_qk_norm"],
+                                   GEMMA3: ["protection", "fix_qk_norm"]},
+                    seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
                     merge_seeds=[0, 1],
                     workers=2),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",

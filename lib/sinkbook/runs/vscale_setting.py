@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from ..core.hooks import capture
-from ..core.models import load_model
+from ..core.models import SMOLLM2, load_model
 from ..core.paths import cache_key, cache_root, entry_lock, jsonable, write_json
 from ..interventions.quantise import quantise_weights, quantised_residual
 from ..interventions.vscale import apply_vscale, calibrated_theta, learned_theta, probe_raw_values
@@ -103,7 +103,7 @@ def quantisation_rows(models: dict, batches) -> pd.DataFrame:
 
 @dataclasses.dataclass(frozen=True)
 class RetrofitConfig:
-    model: str = "smollm2-135m-instruct"
+    model: str = SMOLLM2
     steps: int = 40
     batch_size: int = 4
     context: int = 64
