@@ -41,3 +41,42 @@ def test_licences_are_present_and_the_citation_names_the_code_licence():
 def test_changelog_has_a_section_for_this_version():
     headings = re.findall(r"^## (\S+)", (REPO_ROOT / "CHANGELOG.md").read_text(), flags=re.M)
     assert VERSION in headings, f"CHANGELOG.md has no '## {VERSION}' section (it has {headings})"
+
+
+CITE = re.compile(r"\{cite(?::\w+)?\}`([^`]+)`")
+
+
+def _cited_keys() -> dict[str, str]:
+    """key -> the first page that cites it, over the prose pages and the notebooks' markdown cells."""
+    import json
+    texts = {str(p.relative_to(REPO_ROOT)): p.read_text() for p in (REPO_ROOT / "book").glob("*.md")}
+    for nb in (REPO_ROOT / "notebooks").glob("*.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        texts[str(nb.relative_to(REPO_ROOT))] = "\n".join("".join(c["source"]) for c in cells
+                                                          if c["cell_type"] == "markdown")
+    cited = {}
+    for page, text in texts.items():
+        for group in CITE.findall(text):
+            for key in group.split(","):
+                cited.setdefault(key.strip(), page)
+    return cited
+
+
+def test_every_citation_is_in_the_bibliography_and_every_entry_is_cited():
+    from pybtex.database import parse_file
+    entries = set(parse_file(str(REPO_ROOT / "book" / "references.bib")).entries)
+    cited = _cited_keys()
+    unknown = {key: page for key, page in cited.items() if key not in entries}
+    assert not unknown, f"cited but not in book/references.bib: {unknown}"
+    # the references page lists cited works only, so an entry nobody cites would silently vanish from the book
+    assert not entries - set(cited), f"in book/references.bib but never cited: {sorted(entries - set(cited))}"
+    intro = {key.strip() for group in CITE.findall((REPO_ROOT / "book" / "intro.md").read_text())
+             for key in group.split(",")}
+    missing = {"choi2026sinkstrength", "yoo2026outro", "chen2026gradientsinks"} - intro
+    assert not missing, f"the intro does not cite {sorted(missing)}"
+
+
+def test_the_references_page_is_in_the_table_of_contents():
+    from sinkbook.book.build import toc_yaml
+    assert "file: book/references" in toc_yaml()
+    assert "{bibliography}" in (REPO_ROOT / "book" / "references.md").read_text()

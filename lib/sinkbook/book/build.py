@@ -36,6 +36,7 @@ from .results import claims_markdown, load_all_results, summary_figure
 PROFILES = ("quick", "default", "gpu")
 # The prose pages around the chapters, in book order: (part caption, [page files]).
 PAGES_BEFORE = ("The library", ["book/capture_points", "book/methods", "book/rerun"])
+PAGES_AFTER = ("Back matter", ["book/references"])
 
 
 def paths(profile: str) -> dict[str, Path]:
@@ -57,6 +58,8 @@ def toc_yaml() -> str:
     lines += [f"      - file: {page}" for page in pages]
     lines += ["  - caption: Chapters", "    chapters:"]
     lines += [f"      - file: chapters/{c.name}" for c in CHAPTERS]
+    caption, pages = PAGES_AFTER
+    lines += [f"  - caption: {caption}", "    chapters:"] + [f"      - file: {page}" for page in pages]
     return "\n".join(lines) + "\n"
 
 
