@@ -80,3 +80,42 @@ def test_the_references_page_is_in_the_table_of_contents():
     from sinkbook.book.build import toc_yaml
     assert "file: book/references" in toc_yaml()
     assert "{bibliography}" in (REPO_ROOT / "book" / "references.md").read_text()
+
+
+def _requirements() -> list:
+    """Every requirement pyproject.toml names, the core ones and each extra's (other than sinkbook itself)."""
+    from packaging.requirements import Requirement
+    project = PYPROJECT["project"]
+    named = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
+    return [req for req in map(Requirement, named) if req.name != "sinkbook"]
+
+
+def _pins() -> dict:
+    from packaging.utils import canonicalize_name
+    pins = {}
+    for line in (REPO_ROOT / "env" / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"env/constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_every_dependency_has_a_pin_inside_its_range():
+    from packaging.utils import canonicalize_name
+    pins = _pins()
+    for req in _requirements():
+        pin = pins.get(canonicalize_name(req.name))
+        assert pin, f"{req.name} is a dependency in pyproject.toml but has no pin in env/constraints.txt"
+        assert req.specifier.contains(pin, prereleases=True), \
+            f"env/constraints.txt pins {req.name}=={pin}, outside pyproject.toml's range {req.specifier}"
+
+
+def test_the_core_dependencies_are_ranges_and_the_book_stack_is_an_extra():
+    core = [r for r in _requirements() if str(r) in PYPROJECT["project"]["dependencies"]]
+    assert not [str(r) for r in core if any(s.operator == "==" for s in r.specifier)], "exact pins belong in env/constraints.txt"
+    assert not {r.name for r in core} & {"jupyter-book", "sphinx", "papermill", "lm-eval", "accelerate", "peft"}
+    setup = (REPO_ROOT / "scripts" / "setup.sh").read_text()
+    assert "-e '.[book,eval,train,bench,test]' -c env/constraints.txt" in setup, \
+        "scripts/setup.sh must install every extra the book and the tests use, under the pins"

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from ..chapters import CHAPTERS, chapter_names
-from ..core.paths import REPO_ROOT, entry_lock
+from ..core.paths import REPO_ROOT, NotInCheckout, entry_lock, need_checkout
 from ..runs.pool import die_with_parent
 from .results import claims_markdown, load_all_results, summary_figure
 
@@ -258,6 +258,10 @@ def main(argv=None) -> int:
     b.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     sub.add_parser("toc", help=f"write {TOC.name} from the chapter registry")
     args = parser.parse_args(argv)
+    try:
+        need_checkout("building the book")
+    except NotInCheckout as err:
+        raise SystemExit(f"python -m sinkbook.book: {err}") from None
     if args.command == "toc":
         TOC.write_text(toc_yaml())
         print(f"wrote {TOC}")

@@ -16,6 +16,12 @@ from ..core.models import ModelNotAvailable
 from ..core.profiles import SettingsError
 
 USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+# The packages of pyproject.toml's extras, by import name: a command that needs one says which extra to install
+# (the library alone installs only the core dependencies).
+EXTRA_OF = {"accelerate": "train", "peft": "train", "sklearn": "train", "tqdm": "train",
+            "lm_eval": "eval", "langdetect": "eval", "immutabledict": "eval", "nltk": "eval",
+            "matplotlib": "book", "seaborn": "book", "plotly": "book", "ipywidgets": "book", "IPython": "book",
+            "nbformat": "book", "papermill": "book", "psutil": "book"}
 MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
 
 
@@ -148,6 +154,13 @@ def main(argv=None) -> int:
         return args.func(args)
     except USER_ERRORS as err:
         print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        if package not in EXTRA_OF:
+            raise
+        print(f"sinkbook: error: `sinkbook {args.command}` needs {package}, which comes with an extra: "
+              f"pip install 'sinkbook[{EXTRA_OF[package]}]'", file=sys.stderr)
         return 2
 
 
