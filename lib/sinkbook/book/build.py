@@ -37,6 +37,9 @@ PROFILES = ("quick", "default", "gpu")
 # The prose pages around the chapters, in book order: (part caption, [page files]).
 PAGES_BEFORE = ("The library", ["book/capture_points", "book/methods", "book/rerun"])
 PAGES_AFTER = ("Back matter", ["book/references"])
+# The layers whose docstrings make the API reference, one page each (book/api/<layer>.md includes the generated
+# listing, so a new module appears without anyone adding it).
+API_LAYERS = ("core", "measures", "interventions", "training")
 
 
 def paths(profile: str) -> dict[str, Path]:
@@ -58,6 +61,7 @@ def toc_yaml() -> str:
     lines += [f"      - file: {page}" for page in pages]
     lines += ["  - caption: Chapters", "    chapters:"]
     lines += [f"      - file: chapters/{c.name}" for c in CHAPTERS]
+    lines += ["  - caption: API reference", "    chapters:"] + [f"      - file: book/api/{layer}" for layer in API_LAYERS]
     caption, pages = PAGES_AFTER
     lines += [f"  - caption: {caption}", "    chapters:"] + [f"      - file: {page}" for page in pages]
     return "\n".join(lines) + "\n"
@@ -140,6 +144,21 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
     (generated / "build.md").write_text(f"Profile `{profile}`.\n\n" + "\n".join(lines) + "\n")
     (generated / "capture_points.md").write_text(_capture_points_table())
     (generated / "architectures.md").write_text(_architectures_table())
+    for layer in API_LAYERS:
+        (generated / f"api_{layer}.md").write_text(api_listing(layer))
+
+
+def api_listing(layer: str) -> str:
+    """The API page body of one layer: a summary table of its modules, then each module's documented members
+    (Sphinx autodoc reads the docstrings when the book is built)."""
+    import importlib
+    import pkgutil
+    package = importlib.import_module(f"sinkbook.{layer}")
+    modules = [m.name for m in pkgutil.iter_modules(package.__path__, f"{package.__name__}.")]
+    lines = ["```{eval-rst}", ".. autosummary::", ""] + [f"   {name}" for name in modules] + ["```", ""]
+    for name in modules:
+        lines += [f"## `{name}`", "", "```{eval-rst}", f".. automodule:: {name}", "   :members:", "```", ""]
+    return "\n".join(lines)
 
 
 def _capture_points_table() -> str:

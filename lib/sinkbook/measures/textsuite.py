@@ -22,7 +22,7 @@ Prompt formats (``chat=None`` picks chat iff the tokenizer has a chat template; 
   protocol, App. B.1); multiple-choice options are scored as the start of the assistant turn. ``shots=k``
   puts k worked examples before it as earlier user/assistant turns (multi-turn few-shot);
 - base: by default all of the task's worked examples (ours; none is an evaluation item) in a plain format,
-  ``Question: ...\nAnswer: ...`` for arithmetic and multiple choice, ``Instruction: ...\nResponse: ...`` for
+  ``Question: ...\\nAnswer: ...`` for arithmetic and multiple choice, ``Instruction: ...\\nResponse: ...`` for
   IFEval; generation stops at the format's stop string (the end of the answer line for arithmetic, the next
   ``Instruction:`` for IFEval), and the response is the text before it.
 
