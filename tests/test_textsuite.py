@@ -245,13 +245,10 @@ def test_fewshot_examples_are_not_evaluation_items():
 # ---- generation ------------------------------------------------------------------------------------------
 
 def test_stop_criterion_is_per_sequence():
-    tokenizer = byte_tokenizer()
-    prompt = [[65, 66], [65, 66], [65, 66]]
-    new = [[67, 257, 258], [ord("x"), ord("\n"), ord("y")], [ord("a"), ord("b"), ord("c")]]
-    ids = torch.tensor([p + n for p, n in zip(prompt, new)])
-    done = ts._StopWhenEnded(tokenizer, 2, [257], ("\n",))(ids)
-    assert done.tolist() == [True, True, False]
-    assert ts._StopWhenEnded(tokenizer, 2, [257], ())(ids).tolist() == [True, False, False]
+    """Generation stops at stop strings through transformers' criterion, which decides each row on its own."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+    ids = torch.tensor([[65, 66, ord("x"), ord("\n")], [65, 66, ord("a"), ord("b")], [65, ord("\n"), 67, 68]])
+    assert StopStringCriteria(byte_tokenizer(), ["\n"])(ids, None).tolist() == [True, False, False]
 
 
 def test_generation_is_batched_in_input_order_and_cut_at_stops(loaded_model):

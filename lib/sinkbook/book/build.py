@@ -29,13 +29,17 @@ import time
 from pathlib import Path
 
 from ..chapters import CHAPTERS, chapter_names
-from ..core.paths import REPO_ROOT, entry_lock
+from ..core.paths import REPO_ROOT, NotInCheckout, entry_lock, need_checkout
 from ..runs.pool import die_with_parent
 from .results import claims_markdown, load_all_results, summary_figure
 
 PROFILES = ("quick", "default", "gpu")
 # The prose pages around the chapters, in book order: (part caption, [page files]).
 PAGES_BEFORE = ("The library", ["book/capture_points", "book/methods", "book/rerun"])
+PAGES_AFTER = ("Back matter", ["book/results_schema", "book/references"])
+# The layers whose docstrings make the API reference, one page each (book/api/<layer>.md includes the generated
+# listing, so a new module appears without anyone adding it).
+API_LAYERS = ("core", "measures", "interventions", "training")
 
 
 def paths(profile: str) -> dict[str, Path]:
@@ -57,6 +61,9 @@ def toc_yaml() -> str:
     lines += [f"      - file: {page}" for page in pages]
     lines += ["  - caption: Chapters", "    chapters:"]
     lines += [f"      - file: chapters/{c.name}" for c in CHAPTERS]
+    lines += ["  - caption: API reference", "    chapters:"] + [f"      - file: book/api/{layer}" for layer in API_LAYERS]
+    caption, pages = PAGES_AFTER
+    lines += [f"  - caption: {caption}", "    chapters:"] + [f"      - file: {page}" for page in pages]
     return "\n".join(lines) + "\n"
 
 
@@ -89,10 +96,26 @@ def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, 
     return True, seconds, ""
 
 
+RESULTS_LINK_TAG = "sinkbook-results-link"
+
+
+def results_link_markdown(chapter: str) -> str:
+    """The line under a chapter's claims: its results file and its executed notebook, as the built book serves them
+    (a chapter page is chapters/<name>.html; the files are results/<name>.json and _sources/chapters/<name>.ipynb)."""
+    return (f'The numbers behind these verdicts: <a class="{RESULTS_LINK_TAG}" href="../results/{chapter}.json">'
+            f'results/{chapter}.json</a> (its fields: {{ref}}`the results files <results-schema>`), and this chapter '
+            f'executed, outputs included: <a href="../_sources/chapters/{chapter}.ipynb" download>{chapter}.ipynb</a>.')
+
+
 def present_for_reading(notebook: Path) -> None:
-    """Collapse code behind toggles in an executed notebook: hide-input everywhere, parameters cells hidden."""
+    """Collapse code behind toggles in an executed notebook: hide-input everywhere, parameters cells hidden; under
+    the cell that shows the claims (or at the end), a line linking the chapter's results file."""
     import nbformat
     nb = nbformat.read(str(notebook), as_version=4)
+    nb.cells = [c for c in nb.cells if RESULTS_LINK_TAG not in c.metadata.get("tags", [])]   # once per notebook
+    shows_claims = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "show_claims(" in c.source]
+    link = nbformat.v4.new_markdown_cell(results_link_markdown(notebook.stem), metadata={"tags": [RESULTS_LINK_TAG]})
+    nb.cells.insert(shows_claims[-1] + 1 if shows_claims else len(nb.cells), link)
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -130,13 +153,63 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
     if results:
         summary_figure(results, generated / "claims_summary.svg", order=chapter_names())
         figure = "claims_summary.svg"
-    (generated / "claims.md").write_text(claims_markdown(results, order=chapter_names(), figure=figure))
+    (generated / "claims.md").write_text(claims_markdown(results, order=chapter_names(), figure=figure,
+                                                          results_href="../results/"))
+    publish_results(stage, results_dir)
+    set_footer(stage, profile)
     lines = ["| chapter | executed in | status |", "|---|---|---|"]
     for chapter, (ok, seconds, _) in timings.items():
         lines.append(f"| {chapter} | {seconds:.0f} s | {'ok' if ok else '**failed**'} |")
     (generated / "build.md").write_text(f"Profile `{profile}`.\n\n" + "\n".join(lines) + "\n")
     (generated / "capture_points.md").write_text(_capture_points_table())
     (generated / "architectures.md").write_text(_architectures_table())
+    for layer in API_LAYERS:
+        (generated / f"api_{layer}.md").write_text(api_listing(layer))
+
+
+def publish_results(stage: Path, results_dir: Path) -> None:
+    """Serve the results files with the book, at results/<chapter>.json (Sphinx copies html_extra_path as it is)."""
+    served = stage / "book" / "_generated" / "extra" / "results"
+    if served.exists():
+        shutil.rmtree(served)
+    served.mkdir(parents=True)
+    for path in sorted(results_dir.glob("*.json")):
+        shutil.copy2(path, served / path.name)
+
+
+def set_footer(stage: Path, profile: str) -> None:
+    """The staged _config.yml gets a footer with the version and the commit the book was built from."""
+    import yaml
+    from importlib import metadata
+
+    from .results import git_commit
+    commit = git_commit()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    try:
+        version = metadata.version("sinkbook")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    built = f"commit <code>{commit[:12]}</code>" + (" with uncommitted changes" if dirty else "")
+    config_path = stage / "_config.yml"
+    config = yaml.safe_load(config_path.read_text())
+    config.setdefault("html", {})["extra_footer"] = (
+        f'<p class="sinkbook-build">sinkbook {version}, built from {built}, profile <code>{profile}</code>. '
+        f'Code MIT, text and figures CC BY 4.0; the papers\' tables remain their authors\'.</p>')
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def api_listing(layer: str) -> str:
+    """The API page body of one layer: a summary table of its modules, then each module's documented members
+    (Sphinx autodoc reads the docstrings when the book is built)."""
+    import importlib
+    import pkgutil
+    package = importlib.import_module(f"sinkbook.{layer}")
+    modules = [m.name for m in pkgutil.iter_modules(package.__path__, f"{package.__name__}.")]
+    lines = ["```{eval-rst}", ".. autosummary::", ""] + [f"   {name}" for name in modules] + ["```", ""]
+    for name in modules:
+        lines += [f"## `{name}`", "", "```{eval-rst}", f".. automodule:: {name}", "   :members:", "```", ""]
+    return "\n".join(lines)
 
 
 def _capture_points_table() -> str:
@@ -255,6 +328,10 @@ def main(argv=None) -> int:
     b.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     sub.add_parser("toc", help=f"write {TOC.name} from the chapter registry")
     args = parser.parse_args(argv)
+    try:
+        need_checkout("building the book")
+    except NotInCheckout as err:
+        raise SystemExit(f"python -m sinkbook.book: {err}") from None
     if args.command == "toc":
         TOC.write_text(toc_yaml())
         print(f"wrote {TOC}")

@@ -1,4 +1,4 @@
-"""The ``sinkbook`` command: ``info``, ``capture`` and ``strength`` (and the adaptation commands when present).
+"""The ``sinkbook`` command: ``info``, ``capture``, ``strength``, ``explore`` (and the adaptation commands).
 
 Every user error (unknown model, missing file, bad parameter, unsupported architecture) ends in one line
 ``sinkbook: error: ...`` that says what to do, and exit status 2.
@@ -16,6 +16,12 @@ from ..core.models import ModelNotAvailable
 from ..core.profiles import SettingsError
 
 USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+# The packages of pyproject.toml's extras, by import name: a command that needs one says which extra to install
+# (the library alone installs only the core dependencies).
+EXTRA_OF = {"accelerate": "train", "peft": "train", "sklearn": "train", "tqdm": "train",
+            "lm_eval": "eval", "langdetect": "eval", "immutabledict": "eval", "nltk": "eval",
+            "matplotlib": "book", "seaborn": "book", "plotly": "book", "ipywidgets": "book", "IPython": "book",
+            "nbformat": "book", "papermill": "book", "psutil": "book"}
 MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
 
 
@@ -90,6 +96,21 @@ def cmd_strength(args) -> int:
     return 0
 
 
+def cmd_explore(args) -> int:
+    from ..core.models import load_model
+    from ..measures.attention_maps import explorer_data
+    from .explorer import explorer_page
+    if not args.out.endswith((".html", ".htm")):
+        raise ValueError(f"--out must name an .html file, got {args.out!r}")
+    loaded = load_model(args.model, device=args.device)
+    data = explorer_data(loaded, args.prompt, chat=args.chat, max_tokens=args.max_tokens)
+    with open(args.out, "w", encoding="utf-8") as out:
+        out.write(explorer_page([data], f"Attention per head: {args.model}"))
+    print(f"wrote {args.out}: {data['layers']} layers x {data['heads']} heads, {len(args.prompt)} prompt(s); "
+          "it opens offline in a browser")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..measures.strength import DEFAULT_WINDOW
     parser = argparse.ArgumentParser(prog="sinkbook", description=__doc__,
@@ -124,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     cmd.add_argument("--device", default="auto")
     cmd.set_defaults(func=cmd_strength)
 
+    explore = sub.add_parser("explore", help="write the per-head attention explorer for a model and prompts to "
+                             "one HTML page that works offline")
+    explore.add_argument("model", help=MODEL_HELP)
+    explore.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
+    explore.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                         help="wrap prompts in the chat template (default: when the tokenizer has one)")
+    explore.add_argument("--max-tokens", type=int, default=64, help="cut longer prompts (the page grows with T^2)")
+    explore.add_argument("--out", required=True, help="output .html file")
+    explore.add_argument("--device", default="auto")
+    explore.set_defaults(func=cmd_explore)
+
     for register in _more_commands():
         register(sub)
     return parser
@@ -148,6 +180,13 @@ def main(argv=None) -> int:
         return args.func(args)
     except USER_ERRORS as err:
         print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        package = (err.name or "").split(".")[0]
+        if package not in EXTRA_OF:
+            raise
+        print(f"sinkbook: error: `sinkbook {args.command}` needs {package}, which comes with an extra: "
+              f"pip install 'sinkbook[{EXTRA_OF[package]}]'", file=sys.stderr)
         return 2
 
 

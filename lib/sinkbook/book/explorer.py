@@ -41,6 +41,15 @@ def static_explorer_html(datasets: list[dict], div_id: str | None = None, height
                     .replace("@DATA@", data_json)
 
 
+def explorer_page(datasets: list[dict], title: str) -> str:
+    """A whole HTML page around ``static_explorer_html``, with plotly.js inlined: it opens from a file, offline."""
+    from plotly.offline import get_plotlyjs
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
+            f'<script>{get_plotlyjs()}</script></head>\n<body style="max-width:1100px;margin:1em auto">\n'
+            f'<h1 style="font-family:sans-serif;font-size:20px">{html.escape(title)}</h1>\n'
+            f'{static_explorer_html(datasets)}\n</body></html>\n')
+
+
 _TEMPLATE = r"""<div class="sink-explorer" id="@ID@-box" style="font-family:sans-serif;font-size:14px">
 <div style="display:flex;gap:12px;flex-wrap:wrap;align-items:center;margin-bottom:6px">
 <label>model <select id="@ID@-model"></select></label>

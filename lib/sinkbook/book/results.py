@@ -128,8 +128,10 @@ def headline(results: list[dict]) -> str:
             f"{sum(c['holds'] is True for c in checks)} of {len(checks)} pass.")
 
 
-def claims_markdown(results: list[dict], order: list[str] | None = None, figure: str | None = None) -> str:
-    """The claims of every chapter as markdown: headline, summary by chapter and kind, then one table per chapter."""
+def claims_markdown(results: list[dict], order: list[str] | None = None, figure: str | None = None,
+                    results_href: str | None = None) -> str:
+    """The claims of every chapter as markdown: headline, summary by chapter and kind, then one table per chapter.
+    With ``results_href`` (where the page finds the results files, e.g. ``../results/``) each chapter links its file."""
     if not results:
         return "*No results files yet: build the book to compute them.*\n"
     rank = {name: i for i, name in enumerate(order or [])}
@@ -144,7 +146,9 @@ def claims_markdown(results: list[dict], order: list[str] | None = None, figure:
     for doc in results:
         models = ", ".join(m.get("spec", "?") for m in doc.get("models", [])) or "none (synthetic or published data)"
         profile = doc.get("parameters", {}).get("profile", "?")
-        out += ["", f"### {doc['chapter']}", "", f"Profile `{profile}`; models: {models}.", "",
+        link = (f' Results file: <a class="sinkbook-results-link" href="{results_href}{doc["chapter"]}.json">'
+                f'{doc["chapter"]}.json</a>.' if results_href is not None else "")
+        out += ["", f"### {doc['chapter']}", "", f"Profile `{profile}`; models: {models}.{link}", "",
                 "| claim | kind | source | paper | ours | rule | verdict |", "|---|---|---|---|---|---|---|"]
         for c in doc["claims"]:
             mark = {True: "holds", False: "**does not hold**"}.get(c["holds"], "not comparable")

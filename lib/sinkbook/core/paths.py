@@ -6,6 +6,22 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+# True when the package runs from a clone (lib/sinkbook beside pyproject.toml). Installed with `pip install .`,
+# this file lies in site-packages, REPO_ROOT means nothing, and the repository's data/, notebooks/ and book are
+# not there: what needs them calls need_checkout, and results go to ./results.
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "lib" / "sinkbook").is_dir()
+
+
+class NotInCheckout(FileNotFoundError):
+    """A command that needs the repository ran from an installed copy of the library."""
+
+
+def need_checkout(what: str) -> Path:
+    """REPO_ROOT, or one line saying that ``what`` needs a clone of the repository."""
+    if not IN_CHECKOUT:
+        raise NotInCheckout(f"{what} needs the sinkbook repository: run it from a clone (pip install -e .), "
+                            "not from an installed copy of the library")
+    return REPO_ROOT
 
 
 def cache_root() -> Path:
@@ -22,8 +38,10 @@ def cache_key(doc: dict, length: int = 12) -> str:
 
 
 def results_dir() -> Path:
-    """Where results files go: ``$SINKBOOK_RESULTS_DIR`` (the book build sets it per profile) or results/."""
-    return Path(os.environ.get("SINKBOOK_RESULTS_DIR", REPO_ROOT / "results"))
+    """Where results files go: ``$SINKBOOK_RESULTS_DIR`` (the book build sets it per profile), else the clone's
+    results/, else (an installed library) results/ in the working directory."""
+    default = REPO_ROOT / "results" if IN_CHECKOUT else Path.cwd() / "results"
+    return Path(os.environ.get("SINKBOOK_RESULTS_DIR", default))
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:

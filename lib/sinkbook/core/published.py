@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .paths import REPO_ROOT
+from .paths import REPO_ROOT, need_checkout
 
 DATA_DIR = REPO_ROOT / "data" / "vl_paper"
 TABLE_FILES = {
@@ -42,6 +42,8 @@ def load_table(number: int, data_dir: str | Path | None = None) -> pd.DataFrame:
         raise DataError(f"no transcription of VL-paper Table {number}; available: {sorted(TABLE_FILES)}")
     path = Path(data_dir or DATA_DIR) / TABLE_FILES[number]
     if not path.exists():
+        if data_dir is None:
+            need_checkout(f"the VL paper's Table {number} (data/vl_paper)")
         raise DataError(f"{path} is missing: restore it from git (`git checkout -- {path.relative_to(REPO_ROOT)}`)"
                         if path.is_relative_to(REPO_ROOT) else f"{path} is missing")
     df = pd.read_csv(path)
@@ -58,6 +60,8 @@ def load_published_statistics(data_dir: str | Path | None = None) -> dict[str, f
     """Statistics the paper prints in table footers or in its text (the 2.54 pt error, the S >= 2 rule, ...)."""
     path = Path(data_dir or DATA_DIR) / "published_statistics.csv"
     if not path.exists():
+        if data_dir is None:
+            need_checkout("the VL paper's published statistics (data/vl_paper)")
         raise DataError(f"{path} is missing: restore it from git")
     df = pd.read_csv(path)
     return dict(zip(df["statistic"], df["value"].astype(float)))
@@ -107,6 +111,8 @@ GRADIENT_SINKS_0P3B = REPO_ROOT / "data" / "gradient_sinks_paper" / "reported_0p
 
 def reported_0p3b(path: str | Path | None = None) -> dict[str, tuple[float, float]]:
     """{quantity: (baseline, V-scale)} as the paper reports them at 0.3B."""
+    if path is None and not GRADIENT_SINKS_0P3B.exists():
+        need_checkout("the gradient-sinks paper's reported values (data/gradient_sinks_paper)")
     table = pd.read_csv(path or GRADIENT_SINKS_0P3B)
     return {r.quantity: (float(r.baseline), float(r.vscale)) for r in table.itertuples()}
 

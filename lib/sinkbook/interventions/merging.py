@@ -47,6 +47,9 @@ checkpoint directories from a YAML configuration, not tensors in memory, and its
 kept entries to the L1 norm of the full task vector (``rescale_norm=l1``), not by 1/(1-p) as the DARE paper and
 the paper's setting do. Its ``task_arithmetic`` and ``ties`` agree with the formulas above (same top-k rule,
 same sign election with ties to +1); ``tests/test_merging.py`` compares them when mergekit is importable.
+mergekit is not among our dependencies, so that comparison is usually skipped; ``tests/test_merging_peft.py``
+compares task arithmetic, TIES and DARE (given the same keep-mask) with ``peft.utils.merge_utils``, which is
+pinned, on every run.
 """
 from __future__ import annotations
 

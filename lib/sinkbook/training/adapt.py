@@ -41,7 +41,7 @@ import torch
 from ..core.models import load_model, resolve_device
 from ..core.paths import cache_key, cache_root
 from .digits import TASKS, load_digit_splits, make_examples
-from .loop import Every, fit, warmup_cosine
+from .loop import Every, fit, report_version_drift, trained_with, warmup_cosine
 from .remedies import INTERVENTIONS, RecipeChange
 from .vlm import DigitVLM, PromptFormat, build_vlm, encode_examples, load_vlm, save_vlm, train_encoder
 
@@ -248,7 +248,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     vlm = accelerator.unwrap_model(vlm).eval().requires_grad_(False)
     record = {"config": cfg.record(), "probe_tag": probe_tag, "history": history, "probes": probes,
               "intervention": intervention,
-              "seconds": seconds, "torch": torch.__version__, "processes": accelerator.num_processes}
+              "seconds": seconds, **trained_with(), "processes": accelerator.num_processes}
     if accelerator.is_main_process:
         save_vlm(vlm, loaded.tokenizer, directory / "model", fmt, {"config": cfg.record(), "intervention": intervention})
         (directory / "run.json.tmp").write_text(json.dumps(record, indent=1, default=float))
@@ -260,6 +260,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
 def load_run(directory: str | Path, device: str = "auto") -> AdaptedRun:
     directory = Path(directory)
     record = json.loads((directory / "run.json").read_text())
+    report_version_drift(record, directory)
     cfg = AdaptConfig(**record["config"])
     vlm, loaded, fmt = load_vlm(directory / "model", device=device)
     return AdaptedRun(cfg, vlm, loaded, fmt, record["history"], record["probes"], record["seconds"], True, directory,

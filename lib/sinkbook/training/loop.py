@@ -22,6 +22,29 @@ from typing import Callable, Iterable
 import torch
 
 
+class CachedRunVersionWarning(UserWarning):
+    """A cached run was trained under other torch / transformers versions than the ones running now."""
+
+
+def trained_with() -> dict[str, str]:
+    """The versions a run records beside its weights: a rerun under others may not reproduce its numbers."""
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def report_version_drift(record: dict, where: str | Path) -> list[str]:
+    """Warn (``CachedRunVersionWarning``) when a cached run's recorded versions differ from the running ones;
+    returns the differences, "name recorded -> running". A version the run did not record is not compared."""
+    import warnings
+    running = trained_with()
+    drift = [f"{name} {record[name]} -> {version}" for name, version in running.items()
+             if record.get(name) not in (None, version)]
+    if drift:
+        warnings.warn(f"the cached run {where} was trained under other versions ({', '.join(drift)}); its numbers "
+                      f"may differ from a fresh run: delete it to retrain", CachedRunVersionWarning, stacklevel=2)
+    return drift
+
+
 class StopTraining(Exception):
     """Raised by a callback to end training after the current step."""
 

@@ -17,7 +17,7 @@ from ..core.models import resolve_device
 from ..core.paths import cache_key, cache_root
 from ..interventions.vscale import apply_vscale
 from .corpus import Corpus, sample_batch, validation_batches
-from .loop import Checkpoint, Every, decay_groups, fit, warmup_cosine
+from .loop import Checkpoint, Every, decay_groups, fit, report_version_drift, trained_with, warmup_cosine
 
 # name: (layers, d_model, heads, d_ff). d_head = d_model / heads.
 SIZES = {
@@ -154,6 +154,7 @@ def load_run(cfg: TrainConfig, corpus: Corpus, device="auto", root=None) -> Trai
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["config"] != cfg.record():
         raise RuntimeError(f"cached run {path} holds a different configuration; delete that folder and rerun")
+    report_version_drift(state, path)
     model = build_model(cfg, corpus.bos_id)
     model.load_state_dict(state["model"])
     model.to(resolve_device(device)).eval()
@@ -212,6 +213,6 @@ def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: boo
         tmp = out / "final.pt.tmp"
         torch.save({"config": cfg.record(), "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), "history": result.history, "evals": evals,
-                    "train_seconds": result.seconds, "torch": torch.__version__}, tmp)
+                    "train_seconds": result.seconds, **trained_with()}, tmp)
         tmp.replace(path)
     return TrainedRun(cfg, model, result.history, evals, result.seconds, False, path)
