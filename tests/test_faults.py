@@ -57,3 +57,105 @@ def test_attention_memory_past_the_limit_is_refused_and_the_limit_can_be_raised(
     assert main(argv) == 0 and (tmp_path / "a.npz").exists()
     monkeypatch.setenv("SINKBOOK_MAX_ATTENTION_GB", "lots")
     refused(capsys, ["strength", "tiny-llama", "--n", "1"], "SINKBOOK_MAX_ATTENTION_GB must be a positive number")
+
+
+# ---- damaged and unfinished files (item 3) ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A whole tiny model directory (save_pretrained layout)."""
+    from sinkbook.core.models import load_model
+    path = tmp_path_factory.mktemp("saved") / "tiny"
+    loaded = load_model("tiny-llama", device="cpu")
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapted_run(tmp_path_factory, saved):
+    """What `sinkbook adapt --out run` leaves: run/model (language model + vision file) and run/run.json,
+    built without training (an untrained encoder and projector read the same way)."""
+    import json
+    from sinkbook.core.models import load_model
+    from sinkbook.training.vlm import DigitEncoder, PromptFormat, build_vlm, save_vlm
+    run = tmp_path_factory.mktemp("runs") / "x"
+    loaded = load_model(str(saved), device="cpu")
+    save_vlm(build_vlm(loaded, DigitEncoder(8)), loaded.tokenizer, run / "model", PromptFormat(chat=False), {})
+    (run / "run.json").write_text(json.dumps({"note": "a stand-in"}))
+    return run
+
+
+def copy_of(path, tmp_path):
+    import shutil
+    return shutil.copytree(path, tmp_path / path.name)
+
+
+@pytest.mark.parametrize("keep", [0, 1000, 500_000, -100])
+def test_a_truncated_safetensors_file_is_reported_as_damaged(saved, tmp_path, capsys, keep):
+    damaged = copy_of(saved, tmp_path)
+    weights = damaged / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(keep if keep >= 0 else weights.stat().st_size + keep)
+    refused(capsys, ["info", str(damaged)], "model.safetensors is damaged", "save or download the model again")
+    if keep == 1000:
+        refused(capsys, ["strength", str(damaged), "--n", "1"], "is damaged")
+
+
+def test_a_directory_that_is_not_a_whole_model_says_what_is_missing(saved, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    refused(capsys, ["info", str(tmp_path / "empty")], "is an empty directory")
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text((saved / "config.json").read_text())
+    refused(capsys, ["info", str(tmp_path / "config_only")], "holds config.json but no weights")
+    garbled = copy_of(saved, tmp_path)
+    (garbled / "config.json").write_text('{"model_type": "llama", oops')
+    refused(capsys, ["info", str(garbled)], "could not be read as a model")
+
+
+def test_a_gguf_file_with_valid_magic_and_a_garbage_body_is_not_readable(tmp_path, capsys):
+    import os
+    import struct
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + struct.pack("<I", 3) + os.urandom(4096))
+    refused(capsys, ["info", str(bad)], "is not a readable GGUF file", "download it again")
+
+
+def test_a_run_directory_is_a_model_spec(adapted_run, capsys):
+    import json
+    assert main(["info", str(adapted_run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 3
+    assert main(["evaluate", str(adapted_run), "--arithmetic", "1", "--knowledge", "1", "--ifeval", "0",
+                 "--vision", "2", "--json"]) == 0
+    assert "image_tasks" in json.loads(capsys.readouterr().out)["tasks"]
+
+
+def test_a_half_written_run_is_called_unfinished_everywhere(adapted_run, tmp_path, capsys):
+    half = tmp_path / "half"                              # killed while saving: model/ holds only config.json
+    (half / "model").mkdir(parents=True)
+    (half / "model" / "config.json").write_text((adapted_run / "model" / "config.json").read_text())
+    refused(capsys, ["adapt", "tiny-llama", "--steps", "2", "--out", str(half)], "holds an unfinished run")
+    refused(capsys, ["strength", str(half), "--n", "1"], "is an unfinished run", "no run.json")
+    refused(capsys, ["evaluate", str(half / "model")], "unfinished run", "run the adaptation again")
+    refused(capsys, ["info", str(adapted_run / "nowhere")], "unknown model")  # not a directory: the old message
+
+
+def test_a_damaged_vision_file_is_reported_before_the_text_suite(adapted_run, tmp_path, capsys, monkeypatch):
+    import sinkbook.measures.textsuite as textsuite
+    damaged = copy_of(adapted_run, tmp_path)
+    with open(damaged / "model" / "sinkbook_vision.pt", "r+b") as f:
+        f.truncate(500)
+
+    def suite(*_, **__):
+        raise AssertionError("the text suite ran before the vision file was checked")
+    monkeypatch.setattr(textsuite, "run_suite", suite)
+    refused(capsys, ["evaluate", str(damaged / "model")], "sinkbook_vision.pt is damaged", "run the adaptation again")
+
+
+def test_an_adapted_model_without_its_vision_file_is_evaluated_with_a_word(adapted_run, tmp_path, capsys):
+    stripped = copy_of(adapted_run, tmp_path)
+    (stripped / "model" / "sinkbook_vision.pt").unlink()
+    assert main(["evaluate", str(stripped), "--arithmetic", "1", "--knowledge", "1", "--ifeval", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "holds no sinkbook_vision.pt" in captured.err and "only the text tasks" in captured.err
+    assert "image_tasks" not in captured.out

@@ -86,11 +86,20 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ModelNotAvailable(f"GGUF file {spec!r} does not exist")
-        model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
+        try:
+            model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
+        except Exception as err:                      # the GGUF reader fails in many ways on a damaged body
+            raise ModelNotAvailable(f"{path} is not a readable GGUF file ({_first_line(err)}); it may be "
+                                    f"truncated or damaged: download it again") from None
         model_id = path.name
     elif Path(spec).expanduser().is_dir():
-        model, tokenizer = _from_pretrained(str(Path(spec).expanduser()), attn_implementation)
-        files, model_id = _dir_hashes(Path(spec).expanduser()), spec
+        path = model_directory(spec)
+        try:
+            model, tokenizer = _from_pretrained(str(path), attn_implementation)
+        except (OSError, ValueError) as err:          # what the checks above cannot see, e.g. a garbled config.json
+            raise ModelNotAvailable(f"{path} could not be read as a model ({_first_line(err)}); give a directory "
+                                    f"written by save_pretrained or `sinkbook adapt`") from None
+        files, model_id = _dir_hashes(path), spec
     elif "/" in spec and not spec.startswith((".", "/", "~")):
         model, tokenizer = _from_hub(spec, attn_implementation)
         files, model_id = {}, spec
@@ -102,6 +111,81 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
     arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
     model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
     return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+# ---- local directories: checked before transformers reads them ----------------------------------------------
+
+def model_directory(spec: str | Path) -> Path:
+    """The ``save_pretrained`` directory a local spec names. A run directory (what ``sinkbook adapt --out`` writes:
+    ``model/``, then ``run.json`` last) stands for its ``model/``. An unfinished run, an empty directory, a missing
+    config or missing or truncated weights raise ModelNotAvailable in one line, before transformers reads anything
+    (its own errors for these are tracebacks, or a misleading "should have a `model_type` key")."""
+    path = Path(spec).expanduser()
+    if (path / "model").is_dir() and not (path / "config.json").exists():
+        if not (path / "run.json").exists():
+            raise ModelNotAvailable(f"{path} is an unfinished run: it holds model/ but no run.json, which `sinkbook "
+                                    f"adapt` writes last; delete it and run the adaptation again")
+        path = path / "model"
+    cut_off = in_unfinished_run(path)
+    where = f" (it is part of the unfinished run {path.parent}: no run.json)" if cut_off else ""
+    again = "run the adaptation again" if cut_off else "save or download the model again"
+    if not any(path.iterdir()):
+        raise ModelNotAvailable(f"{path} is an empty directory{where}; give a directory written by save_pretrained "
+                                f"(config.json and *.safetensors) or `sinkbook adapt`")
+    if not (path / "config.json").is_file():
+        raise ModelNotAvailable(f"{path} holds no config.json, so it is not a model directory{where}; give a "
+                                f"directory written by save_pretrained or `sinkbook adapt`")
+    weights = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weights = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if not weights and not any(path.glob("pytorch_model*.bin")):
+        raise ModelNotAvailable(f"{path} holds config.json but no weights (*.safetensors){where}; {again}")
+    for file in weights:
+        problem = _safetensors_problem(file)
+        if problem:
+            raise ModelNotAvailable(f"{file} is damaged: {problem}{where}; {again}")
+    return path
+
+
+def in_unfinished_run(path: Path) -> bool:
+    """Whether ``path`` is the ``model/`` of a run that never wrote its ``run.json``: most likely cut off while
+    saving, so damage found there is reported as an unfinished run."""
+    return (path.name == "model" and not (path.parent / "run.json").exists()
+            and {p.name for p in path.parent.iterdir()} <= {"model", "run.json.tmp"})
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be whole (missing, or shorter than its own header says), or None.
+    The format: 8 bytes of header length n, n bytes of JSON header, then the tensors' bytes at the offsets it gives."""
+    import struct
+    if not file.is_file():
+        return "the file is missing"
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"it is {size} bytes, too short for a header"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"it is {size} bytes but its header alone needs {8 + n}: the file is truncated"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "its header is not valid JSON"
+    try:
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return "its header does not describe tensors"
+    needed = 8 + n + max(ends, default=0)
+    if size < needed:
+        return f"it is {size} bytes but its header describes {needed}: the file is truncated"
+    return None
 
 
 def _quiet_transformers():
