@@ -159,3 +159,46 @@ def test_an_adapted_model_without_its_vision_file_is_evaluated_with_a_word(adapt
     captured = capsys.readouterr()
     assert "holds no sinkbook_vision.pt" in captured.err and "only the text tasks" in captured.err
     assert "image_tasks" not in captured.out
+
+
+# ---- outputs, devices, prompt files (item 6) --------------------------------------------------------------------
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """load_model fails the test: these refusals must come before any model is loaded."""
+    import sinkbook.core.models as models
+
+    def load(*_, **__):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr(models, "load_model", load)
+
+
+def test_capture_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, no_model):
+    capture = ["capture", "tiny-llama", "--layer", "0", "--prompt", "hi there", "--out"]
+    (tmp_path / "d.npz").mkdir()
+    refused(capsys, capture + [str(tmp_path / "d.npz")], "is a directory")
+    refused(capsys, capture + [str(tmp_path / "no" / "a.npz")], "does not exist; create it first")
+    (tmp_path / "file").write_text("")
+    refused(capsys, capture + [str(tmp_path / "file" / "a.npz")], "does not exist")
+    refused(capsys, capture + ["/proc/a.npz"], "cannot write --out")            # refused even to root
+    refused(capsys, capture + [str(tmp_path / "a.txt")], "must name a .npz file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz", "file"]      # no probe file left behind
+
+
+def test_an_unknown_device_is_refused_in_one_line(capsys, no_model):
+    for command in (["info", "tiny-llama"], ["strength", "tiny-llama"], ["evaluate", "tiny-llama"]):
+        refused(capsys, command + ["--device", "gpu0"], "device must be", "'gpu0'")
+
+
+def test_a_prompts_file_that_is_a_directory_is_called_one_and_a_pipe_is_read(tmp_path, capsys):
+    import json
+    import os
+    refused(capsys, ["strength", "tiny-llama", "--prompts-file", str(tmp_path)], "is a directory")
+    read_end, write_end = os.pipe()                   # what `--prompts-file <(printf ...)` hands the command
+    os.write(write_end, b"first prompt here\nsecond prompt here\n")
+    os.close(write_end)
+    try:
+        assert main(["strength", "tiny-llama", "--window", "2", "--json", "--prompts-file", f"/dev/fd/{read_end}"]) == 0
+    finally:
+        os.close(read_end)
+    assert json.loads(capsys.readouterr().out)["n_prompts"] == 2

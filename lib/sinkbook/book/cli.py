@@ -13,7 +13,7 @@ import time
 
 from ..core.arch import UnsupportedArchitecture, n_layers
 from ..core.models import ModelNotAvailable
-from ..core.profiles import SettingsError
+from ..core.profiles import SettingsError, check_device
 
 USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
 MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
@@ -37,8 +37,7 @@ def cmd_capture(args) -> int:
 
     from ..core.hooks import capture
     from ..core.models import check_input_fits, encode, load_model
-    if not args.out.endswith(".npz"):
-        raise ValueError(f"--out must name a .npz file, got {args.out!r}")
+    _check_writable_file(args.out, ".npz")
     loaded = load_model(args.model, device=args.device)
     batch = encode(loaded.tokenizer, args.prompt, chat=args.chat, device=loaded.device)
     check_input_fits(loaded, batch["attention_mask"])
@@ -53,6 +52,26 @@ def cmd_capture(args) -> int:
     print(f"wrote {args.out}: layer {layer}, attention {pattern.shape} (heads, query, key), "
           f"{len(tokens)} tokens, {time.perf_counter() - start:.2f} s")
     return 0
+
+
+def _check_writable_file(name: str, suffix: str) -> None:
+    """Refuse an output path that cannot be written, before a model is loaded: a wrong suffix, a directory, a
+    missing folder, a folder that refuses a new file (tried with a probe file, which root's permissions cannot fake)."""
+    import os
+    from pathlib import Path
+    path = Path(name).expanduser()
+    if path.suffix != suffix:
+        raise ValueError(f"--out must name a {suffix} file, got {name!r}")
+    if path.is_dir():
+        raise ValueError(f"--out {name!r} is a directory; name a file in it, e.g. {str(path / ('attention' + suffix))!r}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {name!r}: the folder {str(path.parent)!r} does not exist; create it first")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write --out {name!r} ({err.strerror or err}); choose a writable folder") from None
 
 
 def cmd_strength(args) -> int:
@@ -146,6 +165,8 @@ def _more_commands():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)           # "gpu0" is refused here, not by torch after the model has loaded
         return args.func(args)
     except USER_ERRORS as err:
         print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
