@@ -241,3 +241,18 @@ def test_long_waits_say_what_they_wait_for_on_a_terminal_only(capsys, monkeypatc
     for line in ("sinkbook: loading tiny-llama", "sinkbook: text suite: arithmetic, 1 items",
                  "sinkbook: text suite: knowledge (multiple choice), 1 items"):
         assert line in err, err
+
+
+# ---- the README's examples leave the checkout clean (item 8) ----------------------------------------------------
+
+def test_what_the_readme_examples_write_is_ignored_by_git_and_the_library_is_not():
+    import shutil
+    import subprocess
+    from sinkbook.core.paths import REPO_ROOT
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO_ROOT).returncode == 0
+    assert ignored("a.npz") and ignored("runs/smol-vl/model/model.safetensors") and ignored("runs/qwen3-vl/run.json")
+    assert not ignored("lib/sinkbook/runs/pool.py")
