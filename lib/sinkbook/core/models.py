@@ -89,6 +89,9 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ModelNotAvailable(f"GGUF file {spec!r} does not exist")
+        problem = _gguf_problem(path)
+        if problem:
+            raise ModelNotAvailable(f"{path} is not a readable GGUF file: {problem}; download it again")
         try:
             model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
         except Exception as err:                      # the GGUF reader fails in many ways on a damaged body
@@ -162,6 +165,23 @@ def in_unfinished_run(path: Path) -> bool:
     saving, so damage found there is reported as an unfinished run."""
     return (path.name == "model" and not (path.parent / "run.json").exists()
             and {p.name for p in path.parent.iterdir()} <= {"model", "run.json.tmp"})
+
+
+def _gguf_problem(file: Path) -> str | None:
+    """Why a file cannot be GGUF, judged from its 24-byte header alone, or None. transformers reports a garbage body
+    behind valid magic as "config file ... is not a valid JSON file"; its counts give it away in microseconds."""
+    import struct
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        return "it does not start with a GGUF header"
+    version, n_tensors, n_metadata = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        return f"its header says version {version}; GGUF files are version 2 or 3"
+    if n_tensors * 24 + n_metadata * 12 > size:     # a tensor's entry takes at least 24 bytes, a metadata entry 12
+        return f"its header lists {n_tensors} tensors and {n_metadata} metadata entries, more than its {size} bytes hold"
+    return None
 
 
 def _safetensors_problem(file: Path) -> str | None:
