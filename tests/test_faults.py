@@ -212,7 +212,9 @@ def test_help_and_usage_errors_do_not_import_torch():
     code = """
 import sys
 from sinkbook.book.cli import main
-for argv in (["--help"], ["strength", "--help"], ["capture", "tiny-llama"], ["info", "tiny-llama", "--device", "gpu0"]):
+for argv in (["--help"], ["strength", "--help"], ["capture", "tiny-llama"], ["info", "tiny-llama", "--device", "gpu0"],
+             ["capture", "tiny-llama", "--layer", "0", "--prompt", "x", "--out", "/tmp"],
+             ["strength", "tiny-llama", "--prompts-file", "/tmp"], ["strength", "tiny-llama", "--window", "0"]):
     try:
         main(argv)
     except SystemExit:
@@ -221,7 +223,9 @@ print("torch imported:", "torch" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip().endswith("torch imported: False"), done.stdout + done.stderr
-    assert "the following arguments are required: --layer" in done.stderr and "device must be" in done.stderr
+    for message in ("the following arguments are required: --layer", "device must be", "--out must name a .npz file",
+                    "prompts file '/tmp' is a directory", "--window must be at least 1"):
+        assert message in done.stderr, (message, done.stderr)
 
 
 def test_the_window_default_in_the_help_is_the_library_default():

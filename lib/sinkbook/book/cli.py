@@ -36,12 +36,12 @@ def cmd_info(args) -> int:
 
 
 def cmd_capture(args) -> int:
+    _check_writable_file(args.out, ".npz")            # before torch is imported: a bad --out answers at once
     import numpy as np
     import torch
 
     from ..core.hooks import capture
     from ..core.models import check_input_fits, encode, load_model
-    _check_writable_file(args.out, ".npz")
     loaded = load_model(args.model, device=args.device)
     batch = encode(loaded.tokenizer, args.prompt, chat=args.chat, device=loaded.device)
     check_input_fits(loaded, batch["attention_mask"])
@@ -79,19 +79,19 @@ def _check_writable_file(name: str, suffix: str) -> None:
 
 
 def cmd_strength(args) -> int:
-    from ..core.arch import n_layers
-    from ..core.models import load_model
-    from ..core.prompts import load_prompts_file, prompt_texts
-    from ..measures.strength import DEFAULT_WINDOW, STRONG_SINK_G, sink_strength
-    if args.window is None:
-        args.window = DEFAULT_WINDOW
+    from ..core.prompts import load_prompts_file, prompt_texts      # torch-free: bad input answers at once
     prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
     if args.n is not None:
         if args.n < 1:
             raise ValueError(f"--n must be at least 1, got {args.n}")
         prompts = prompts[:args.n]
-    if args.window < 1:
+    if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")
+    from ..core.arch import n_layers
+    from ..core.models import load_model
+    from ..measures.strength import DEFAULT_WINDOW, STRONG_SINK_G, sink_strength
+    if args.window is None:
+        args.window = DEFAULT_WINDOW
     start = time.perf_counter()
     loaded = load_model(args.model, device=args.device)
     window = min(args.window, n_layers(loaded.model))

@@ -102,7 +102,7 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
         path = model_directory(spec)
         try:
             model, tokenizer = _from_pretrained(str(path), attn_implementation)
-        except (OSError, ValueError) as err:          # what the checks above cannot see, e.g. a garbled config.json
+        except Exception as err:        # what the checks above cannot see: a garbled config.json, a damaged .bin, ...
             raise ModelNotAvailable(f"{path} could not be read as a model ({_first_line(err)}); give a directory "
                                     f"written by save_pretrained or `sinkbook adapt`") from None
         files, model_id = _dir_hashes(path), spec
