@@ -324,3 +324,17 @@ def test_notebook_parameters_are_checked_before_any_model_loads(parameters, word
     from sinkbook.core.profiles import SettingsError
     with pytest.raises(SettingsError, match=__import__("re").escape(words)):
         SinkCriteriaChapter.from_notebook({"profile": "quick", "device": "auto", **parameters})
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], "the following arguments are required: command"),
+    (["capture", "tiny-llama", "--prompt", "x", "--out", "a.npz"], "required: --layer (see `sinkbook capture --help`)"),
+    (["adapt", "tiny-llama", "--steps", "0", "--out", "x"], "argument --steps: must be >= 1, got 0"),
+    (["strength", "tiny-llama", "--window", "ten"], "argument --window: invalid int value: 'ten'"),
+])
+def test_usage_errors_are_one_line_too(argv, words, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sinkbook: error: ") and words in lines[0], lines

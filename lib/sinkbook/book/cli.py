@@ -117,8 +117,15 @@ def cmd_strength(args) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its usage errors in the command's one-line form (argparse prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"sinkbook: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sinkbook", description=__doc__,
+    parser = OneLineParser(prog="sinkbook", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
