@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
 def _writable_directory(path: str) -> Path:
     """The output directory, created now, so that a bad --out fails before minutes of training."""
     out = Path(path).expanduser()
-    if (out / "run.json").exists() or (out / "model").exists():
+    if (out / "run.json").exists():
         raise ValueError(f"{out} already holds an adapted model; choose another --out or delete that folder first")
+    if (out / "model").exists():
+        raise ValueError(f"{out} holds an unfinished run (model/ but no run.json, which is written last); delete that "
+                         f"folder or choose another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".sinkbook-write-test"
@@ -65,18 +69,27 @@ def cmd_adapt(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from ..core.models import load_model
+    from ..core.models import in_unfinished_run, load_model, model_directory
     from ..measures.textsuite import headroom, run_suite
+    directory = model_directory(args.model) if Path(args.model).expanduser().is_dir() else None
+    adapted = directory is not None and (directory / "sinkbook_vision.pt").exists()
+    if adapted:                  # a damaged vision file is reported now, not after minutes of text tasks
+        from ..training.vlm import read_vision_file
+        read_vision_file(directory)
+    elif directory is not None and ((directory / "sinkbook_adaptation.json").exists() or in_unfinished_run(directory)
+                                    or (directory.parent / "run.json").exists()):
+        print(f"sinkbook: note: {directory} comes from `sinkbook adapt` but holds no sinkbook_vision.pt (a save cut "
+              f"short?); only the text tasks are run", file=sys.stderr)
     loaded = load_model(args.model, device=args.device)
     results = run_suite(loaded, arithmetic=args.arithmetic, knowledge=args.knowledge, ifeval=args.ifeval,
                         ifeval_tokens=args.ifeval_tokens)
     rows = {name: {"kind": r.kind, "score": r.score, "floor": r.chance, "items": r.n, "headroom": headroom(r),
                    "seconds": r.seconds} for name, r in results.items()}
-    directory = Path(args.model).expanduser()
-    if directory.is_dir() and (directory / "sinkbook_vision.pt").exists():
+    if adapted:
         from ..training.probes import held_out_vision_examples, vision_scores
         from ..training.vlm import load_vlm
         vlm, vl_loaded, fmt = load_vlm(directory, device=args.device)
+        logging.getLogger(__name__).info("image tasks, %d held-out questions ...", args.vision)
         scores = vision_scores(vlm, vl_loaded.tokenizer, held_out_vision_examples(args.vision), fmt)
         rows["image_tasks"] = {"kind": "vision", "score": scores["accuracy"], "floor": scores["chance"],
                                "items": len(scores["per_item"]), "headroom": None, "seconds": float("nan")}

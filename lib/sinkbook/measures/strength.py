@@ -176,7 +176,7 @@ def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
 def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=None, batch_size: int = 16,
                   window: int | None = DEFAULT_WINDOW) -> StrengthResult:
     """Gaps G on ``prompts`` for ``layers`` (default: the last ``window`` layers; ``layers="all"`` for all)."""
-    from ..core.models import encode
+    from ..core.models import check_input_fits, encode
     if not prompts:
         raise ValueError("no prompts given")
     n_layers = layer_count(loaded.model)
@@ -192,6 +192,8 @@ def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=N
     chunks = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     encoded = [encode(loaded.tokenizer, chunk, chat=chat, device=loaded.device) for chunk in chunks]
     width = max(b["input_ids"].shape[1] for b in encoded)
+    for batch in encoded:                        # every batch, before the first forward pass
+        check_input_fits(loaded, batch["attention_mask"])
     for batch in encoded:
         g, k = gaps_for_batch(loaded.model, batch, layers)
         pad = width - batch["input_ids"].shape[1]                  # re-pad on the left so chunks stack

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import math
 import random
 import re
@@ -655,15 +656,22 @@ def run_suite(loaded, arithmetic: int | list = 60, knowledge: int | list | None 
     results: dict[str, TaskResult] = {}
     if arithmetic:
         items = arithmetic_items(arithmetic, seed) if isinstance(arithmetic, int) else list(arithmetic)
+        _log_task("arithmetic", len(items))
         results.update(run_arithmetic(loaded, items, chat, shots.get("arithmetic"), arithmetic_tokens, batch_size, context,
                                       share_prefix))
     if knowledge is None or knowledge:
         items = knowledge_items(knowledge, seed) if knowledge is None or isinstance(knowledge, int) else list(knowledge)
+        _log_task("knowledge (multiple choice)", len(items))
         results["knowledge_mc"] = run_knowledge(loaded, items, chat, shots.get("knowledge"), mc_style, batch_size, context)
     if ifeval is None or ifeval:
         records = ifeval_records(ifeval) if ifeval is None or isinstance(ifeval, int) else list(ifeval)
+        _log_task("instruction following (IFEval-style, generated answers)", len(records))
         results["ifeval"] = run_ifeval(loaded, records, chat, shots.get("ifeval"), ifeval_tokens, max(1, batch_size // 2), context)
     return results
+
+
+def _log_task(name: str, items: int) -> None:
+    logging.getLogger(__name__).info("text suite: %s, %d items ...", name, items)
 
 
 def _entered(context):

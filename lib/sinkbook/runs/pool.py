@@ -15,9 +15,11 @@ import time
 from typing import Callable
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have this process receive ``sig`` when its parent process ends."""
-    parent = os.getppid()
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have this process receive ``sig`` when its parent process ends. ``parent``: the pid the parent had when it
+    started this process; without it, a parent that ended before this call goes unnoticed (this process has
+    already been handed to another parent, whose death the request would then follow)."""
+    parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         import ctypes
         PR_SET_PDEATHSIG = 1
@@ -33,9 +35,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _worker_start() -> None:
+def _worker_start(parent: int) -> None:
+    die_with_parent(parent=parent)          # first: a parent killed while torch is imported must still end us
     import torch
-    die_with_parent()
     torch.set_num_threads(1)
 
 
@@ -47,5 +49,5 @@ def run_jobs(job_fn: Callable[[dict], object], jobs: list[dict], workers: int) -
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                             initializer=_worker_start) as pool:
+                             initializer=_worker_start, initargs=(os.getpid(),)) as pool:
         return list(pool.map(job_fn, jobs))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -49,6 +50,7 @@ RUN_FORMAT = 1
 MODALITIES = ("vision", "text")
 INTERVENTION_FIELDS = ("intervention", "text_share", "lora_rank")
 ENCODER_EPOCHS, ENCODER_WIDTH, ENCODER_SEED = 30, 64, 0
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,7 @@ def vision_encoder(device: str = "cpu"):
     if path.exists():
         encoder.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return encoder.eval().requires_grad_(False).to(device)
+    log.info("training the digit encoder once (%d epochs, about 40 s on a CPU); later runs read %s", ENCODER_EPOCHS, path)
     train, _ = load_digit_splits()
     encoder = train_encoder(train.images, train.labels, ENCODER_SEED, ENCODER_EPOCHS, ENCODER_WIDTH)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..core.models import LoadedModel, load_model
+from ..core.models import LoadedModel, load_model, model_directory
 from .digits import Example
 
 IMAGE_MARKER = "<image>"
@@ -261,15 +261,32 @@ def save_vlm(vlm: DigitVLM, tokenizer, directory: str | Path, fmt: PromptFormat,
     return directory
 
 
-def load_vlm(directory: str | Path, device: str = "auto") -> tuple[DigitVLM, LoadedModel, PromptFormat]:
-    """(vlm, loaded language model, prompt format) from a directory written by ``save_vlm``."""
-    directory = Path(directory)
-    if not (directory / VISION_FILE).exists():
+def read_vision_file(directory: str | Path) -> dict:
+    """The vision parts ``save_vlm`` wrote beside the language model, checked; a missing or damaged file raises
+    a one-line error (FileNotFoundError / ValueError), so a caller can check before minutes of other work."""
+    path = Path(directory) / VISION_FILE
+    if not path.exists():
         raise FileNotFoundError(f"{directory} holds no {VISION_FILE}: it is not an adapted vision-language model "
                                 f"(write one with `sinkbook adapt ... --modality vision --out DIR`)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:          # a truncated zip, a garbled pickle: torch raises several types
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path} is damaged ({reason}); it is written by `sinkbook adapt`: run the adaptation "
+                         f"again") from None
+    missing = {"encoder", "encoder_width", "projector", "chat"} - set(state if isinstance(state, dict) else ())
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(sorted(missing))}; it is not a file `sinkbook adapt` wrote: run the "
+                         f"adaptation again")
+    return state
+
+
+def load_vlm(directory: str | Path, device: str = "auto") -> tuple[DigitVLM, LoadedModel, PromptFormat]:
+    """(vlm, loaded language model, prompt format) from a directory written by ``save_vlm``."""
+    directory = model_directory(directory)          # a run directory stands for its model/
+    state = read_vision_file(directory)
     from ..interventions.qknorm import restore_qk_norm
     loaded = load_model(str(directory), device=device)
-    state = torch.load(directory / VISION_FILE, map_location="cpu", weights_only=True)
     restore_qk_norm(loaded.model, state.get("qk_norm"))
     encoder = DigitEncoder(state["encoder_width"])
     encoder.load_state_dict(state["encoder"])
