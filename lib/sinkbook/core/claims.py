@@ -7,9 +7,14 @@ it is, so the book never adds up unlike things:
 - ``recomputed``: recomputed from the paper's own published tables;
 - ``math``: a numerical check of a derivation on synthetic instances.
 
-``holds`` is True, False or "not comparable". A claim is not comparable when its precondition is missing
-(no sink in the baseline it is about, a task at its floor): it is then neither counted as holding nor as
-failing. ``must_hold`` marks checks whose failure means our code is wrong (an exact identity, a bound that
+``holds`` is True, False, "inconclusive" or "not comparable". A claim is not comparable when its precondition
+is missing (no sink in the baseline it is about, a task at its floor): it is then neither counted as holding nor
+as failing. A **statistical** claim (a comparison of sampled scores: items, seeds, windows) carries an ``Effect``
+(estimate, interval, test, items, seeds; positive = the paper's direction) and an ``Interest`` (the smallest
+effect that would count as the paper's at our scale, fixed beside its rule before any result is read), and
+``decide`` gives its verdict: holds when the interval lies on the paper's side of zero, does not hold when it
+excludes the effect of interest, inconclusive otherwise (the claim then says what this sample could have
+detected). Equivalence testing against a smallest effect of interest: Lakens, Scheel & Isager (2018). ``must_hold`` marks checks whose failure means our code is wrong (an exact identity, a bound that
 is a theorem); the results writer raises ``MustHoldFailed`` when one fails. ``origin`` is "paper" for a claim
 the paper makes and "ours" for a question or a constant that is ours (the book says so).
 
@@ -27,6 +32,9 @@ import re
 from typing import Any, Callable
 
 NOT_COMPARABLE = "not comparable"
+INCONCLUSIVE = "inconclusive"
+VERDICTS = ("holds", "does not hold", INCONCLUSIVE, NOT_COMPARABLE)
+POWER = 0.8                # the power at which a statistical claim reports the smallest effect it could detect
 KINDS = ("measured", "recomputed", "math")
 ORIGINS = ("paper", "ours")
 _ID = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -95,10 +103,13 @@ class Claim:
     paper_value: Any       # number or short text as published
     our_value: Any         # what we computed
     rule: str              # the verdict rule, written before looking at the result
-    holds: bool | str      # True / False / "not comparable"
+    holds: bool | str      # True / False / "inconclusive" / "not comparable"
     must_hold: bool = False
     origin: str = "paper"
     why_not_comparable: str = ""
+    effect: dict | None = None      # statistical claims: Effect.as_dict()
+    interest: dict | None = None    # statistical claims: Interest.as_dict()
+    caveat: str = ""                # e.g. "smaller than the effect of interest", "could have detected >= 3.1 pt"
 
     def __post_init__(self):
         if not _ID.match(self.id):
@@ -107,19 +118,21 @@ class Claim:
             raise ValueError(f"claim {self.id!r}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.origin not in ORIGINS:
             raise ValueError(f"claim {self.id!r}: origin must be one of {', '.join(ORIGINS)}, got {self.origin!r}")
-        if self.holds != NOT_COMPARABLE:
+        if self.holds == INCONCLUSIVE and self.effect is None:
+            raise ValueError(f"claim {self.id!r}: only a statistical claim (with an effect) can be inconclusive")
+        if self.holds not in (NOT_COMPARABLE, INCONCLUSIVE):
             if type(self.holds).__name__ not in ("bool", "bool_"):  # numpy comparisons give numpy bools
                 raise ValueError(f"claim {self.id!r}: holds must be True, False or {NOT_COMPARABLE!r}, "
                                  f"got {self.holds!r}")
             self.holds = bool(self.holds)
-        if self.must_hold and self.holds == NOT_COMPARABLE:
-            raise ValueError(f"claim {self.id!r}: a must-hold check cannot be 'not comparable'")
+        if self.must_hold and self.holds in (NOT_COMPARABLE, INCONCLUSIVE):
+            raise ValueError(f"claim {self.id!r}: a must-hold check cannot be {self.holds!r}")
         self.our_value = _plain(self.our_value)
         self.paper_value = _plain(self.paper_value)
 
     @property
     def label(self) -> str:
-        return {True: "holds", False: "does not hold"}.get(self.holds, NOT_COMPARABLE)
+        return label(self.holds)
 
     def verdict(self) -> str:
         """One sentence: the verdict, the statement, ours against the paper's (or why it is not comparable)."""
@@ -127,10 +140,17 @@ class Claim:
         numbers = f"ours {_short(self.our_value)}, paper {_short(self.paper_value)} (rule: {self.rule})"
         if self.holds == NOT_COMPARABLE and self.why_not_comparable:
             return f"{head} -- {self.why_not_comparable}; {numbers}."
+        if self.caveat:
+            return f"{head} -- {numbers}; {self.caveat}."
         return f"{head} -- {numbers}."
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def label(holds) -> str:
+    """The printed verdict of a ``holds`` value."""
+    return {True: "holds", False: "does not hold"}.get(holds, holds if holds == INCONCLUSIVE else NOT_COMPARABLE)
 
 
 def _plain(value):
@@ -172,6 +192,115 @@ def check(id: str, statement: str, measured, rule: Rule, expected="", source: st
     """A must-hold check of our own code (kind "math"): an exact identity, a count that must be zero.
     ``value``: what the rule tests, when it is not the number shown (``measured``)."""
     return claim(id, "math", source, statement, expected, measured, rule, value, must_hold=True, origin="ours")
+
+
+@dataclasses.dataclass(frozen=True)
+class Interest:
+    """The smallest effect that would count as the paper's effect at our scale, in the claim's units, positive in
+    the paper's direction. Fixed in the chapter module beside the rule, before any result is read.
+
+    ``source`` says where it comes from: the paper's number where it transfers to our task ("paper: Table 3,
+    +1.47 pt"), otherwise ours with one line of reasoning ("ours: ..."). ``non_inferiority=True`` is for claims
+    that something is *preserved*: ``value`` is then the largest loss that still counts as preserved."""
+    value: float
+    source: str
+    units: str = ""
+    non_inferiority: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.value, (int, float)) and math.isfinite(self.value) and self.value > 0):
+            raise ValueError(f"an effect of interest must be a positive finite number, got {self.value!r}")
+        if not (self.source.startswith("paper") or self.source.startswith("ours")):
+            raise ValueError(f"an effect of interest's source must start with 'paper' or 'ours', got {self.source!r}")
+
+    def rule_text(self, level: float = 0.95) -> str:
+        u = f" {self.units}" if self.units else ""
+        if self.non_inferiority:
+            return (f"holds if the {level:.0%} interval lies above -{_fmt(self.value)}{u} (a loss within the "
+                    f"margin); does not hold if it lies below -{_fmt(self.value)}{u}; else inconclusive")
+        return (f"holds if the {level:.0%} interval lies above 0; does not hold if it lies below "
+                f"{_fmt(self.value)}{u} (the effect of interest); else inconclusive")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _normal_quantile(p: float) -> float:
+    # scipy would do, but core imports nothing numerical; statistics.NormalDist is exact to double precision
+    from statistics import NormalDist
+    return NormalDist().inv_cdf(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """A measured effect, oriented so that positive is the paper's direction, with its interval."""
+    estimate: float
+    low: float
+    high: float
+    level: float           # of the interval, e.g. 0.95
+    test: str              # "paired bootstrap over items", "exact McNemar (Newcombe interval)", ...
+    items: int
+    seeds: int
+    units: str = ""
+
+    def __post_init__(self):
+        if not all(math.isfinite(v) for v in (self.estimate, self.low, self.high)):
+            raise ValueError(f"an effect needs finite numbers, got {self.estimate}, [{self.low}, {self.high}]")
+        if not self.low <= self.high:
+            raise ValueError(f"an effect's interval must have low <= high, got [{self.low}, {self.high}]")
+        if not 0 < self.level < 1:
+            raise ValueError(f"an interval's level must lie in (0, 1), got {self.level!r}")
+
+    @property
+    def detectable(self) -> float:
+        """The smallest effect this sample could detect at ``POWER`` (two-sided, normal approximation from the
+        interval's width): (z_{1-a/2} + z_power) * SE, with SE = width / (2 z_{1-a/2})."""
+        z = _normal_quantile(0.5 + self.level / 2)
+        return (z + _normal_quantile(POWER)) * (self.high - self.low) / (2 * z)
+
+    def text(self) -> str:
+        u = f" {self.units}" if self.units else ""
+        return (f"{self.estimate:+.3g}{u} [{self.low:+.3g}, {self.high:+.3g}] ({self.level:.0%}, {self.test}, "
+                f"{self.items} items, {self.seeds} seed{'s' if self.seeds != 1 else ''})")
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "detectable": self.detectable, "power": POWER}
+
+
+def decide(effect: Effect, interest: Interest) -> tuple[bool | str, str]:
+    """The verdict of a statistical claim and its caveat (empty when none).
+
+    holds: the interval lies on the paper's side of zero (non-inferiority: above -margin);
+    does not hold: the interval excludes the effect of interest (non-inferiority: lies below -margin);
+    inconclusive: neither, and the caveat says what this sample could have detected."""
+    u = f" {interest.units}" if interest.units else ""
+    could = f"this sample could detect about {effect.detectable:.3g}{u} at {POWER:.0%} power"
+    if interest.non_inferiority:
+        if effect.low > -interest.value:
+            return True, ""
+        if effect.high < -interest.value:
+            return False, ""
+        return INCONCLUSIVE, f"the interval spans the margin -{_fmt(interest.value)}{u}; {could}"
+    if effect.low > 0:
+        smaller = effect.high < interest.value
+        return True, (f"in the paper's direction, but smaller than the effect of interest "
+                      f"{_fmt(interest.value)}{u}" if smaller else "")
+    if effect.high < interest.value:
+        return False, ""
+    return INCONCLUSIVE, (f"the interval spans 0 and the effect of interest {_fmt(interest.value)}{u}; {could}")
+
+
+def statistical(id: str, source: str, statement: str, paper_value, effect: Effect, interest: Interest, *,
+                precondition: tuple[bool, str] | None = None, origin: str = "paper",
+                kind: str = "measured") -> Claim:
+    """A statistical claim: its verdict is ``decide(effect, interest)``; its rule is the interest's rule text."""
+    rule = interest.rule_text(effect.level)
+    if precondition is not None and not precondition[0]:
+        return Claim(id, kind, source, statement, paper_value, effect.text(), rule, NOT_COMPARABLE, origin=origin,
+                     why_not_comparable=precondition[1], effect=effect.as_dict(), interest=interest.as_dict())
+    holds, caveat = decide(effect, interest)
+    return Claim(id, kind, source, statement, paper_value, effect.text(), rule, holds, origin=origin,
+                 effect=effect.as_dict(), interest=interest.as_dict(), caveat=caveat)
 
 
 @dataclasses.dataclass

@@ -106,3 +106,34 @@ def min_pairs_to_decide(alpha: float) -> int:
     while binomial_two_sided(0, n) >= alpha:
         n += 1
     return n
+
+
+def agresti_min_interval(only_first: int, only_second: int, n: int, level: float) -> tuple[float, float]:
+    """Interval for the difference of two paired pass rates (second minus first): the adjusted Wald interval of
+    Agresti & Min (2005), which adds 1/2 to each of the four cells of the paired table (n -> n + 2)."""
+    from statistics import NormalDist
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    b, c, m = only_first + 0.5, only_second + 0.5, n + 2
+    diff = (c - b) / m
+    se = math.sqrt(max((b + c) - (c - b) ** 2 / m, 0.0)) / m
+    return max(-1.0, diff - z * se), min(1.0, diff + z * se)
+
+
+def paired_effect(test: PairedTest, seeds: int, paper_direction: int = +1, scale: float = 1.0,
+                  units: str = "") -> "Effect":
+    """The ``Effect`` of a paired test, oriented so that positive is the paper's direction.
+
+    ``paper_direction=+1`` when the paper says the second setting is better (the test's positive effect),
+    -1 when it says it is worse; ``scale`` converts units (100 for rates in points)."""
+    from ..core.claims import Effect
+    if paper_direction not in (1, -1):
+        raise ValueError(f"paper_direction must be +1 or -1, got {paper_direction!r}")
+    level = 1 - test.alpha
+    if test.test == "paired bootstrap":
+        low, high = test.detail["interval"]
+        name = "paired bootstrap over items"
+    else:
+        low, high = agresti_min_interval(test.detail["only_first"], test.detail["only_second"], test.n, level)
+        name = "exact McNemar, Agresti-Min interval"
+    ends = sorted((paper_direction * low * scale, paper_direction * high * scale))
+    return Effect(paper_direction * test.effect * scale, ends[0], ends[1], level, name, test.n, seeds, units)
