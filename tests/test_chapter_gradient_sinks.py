@@ -78,6 +78,29 @@ def test_opposite_outcome_fails():
     assert all(claim.holds is False for claim in c.values()), [x.verdict() for x in c.values()]
 
 
+@pytest.mark.parametrize("vs_r_gs, holds", [(20.0, True), (20.5, False), (39.0, False)])
+def test_lowers_means_at_least_halved_in_both_chapters(vs_r_gs, holds):
+    """One rule for "V-scale lowers": at most LOWER_FACTOR x the baseline (a 2.5 % drop is not a suppression)."""
+    from sinkbook.chapters import gradient_sinks_with_sink as ws
+    from sinkbook.measures import gradprobes
+    _, c = _vscale(vs=dict(PAPER_VS, r_gs=vs_r_gs))
+    assert c["vscale_lowers_rgs"].holds is holds
+    assert gs.LOWERS is gradprobes.LOWERS and ws.LOWERS is gradprobes.LOWERS
+    assert gradprobes.lowered([40.0, 10.0], [20.0, 6.0]) is False          # every seed must be halved
+    with pytest.raises(ValueError):
+        gradprobes.lowered([1.0, 2.0], [1.0])
+
+
+def test_lowers_gate_is_written_once():
+    from sinkbook.measures.gradprobes import lowers_precondition
+    yes, sink_no, massive_no = (True, ""), (False, "no sink"), (False, "no massive")
+    assert lowers_precondition("median R_GS", yes, massive_no) == (True, "")
+    assert lowers_precondition("token-0 norm", yes, massive_no) == (False, "no massive")
+    assert lowers_precondition("token-0 ratio", sink_no, massive_no) == (False, "no sink")
+    with pytest.raises(ValueError):
+        lowers_precondition("loss", yes, yes)
+
+
 def test_loss_parity_tolerance():
     assert _vscale(losses=(3.0, 3.019))[1]["vscale_loss_parity"].holds is True
     assert _vscale(losses=(3.0, 3.03))[1]["vscale_loss_parity"].holds is False
@@ -90,6 +113,9 @@ def test_vscale_claims_need_the_sink_and_the_massive_activation(sink, ratio, mis
     vscale_ids = [k for k in c if k.startswith("vscale_")]
     assert len(vscale_ids) == 5
     for key in vscale_ids:
+        if key == "vscale_lowers_rgs" and sink >= SINK_MIN:
+            assert c[key].holds is True, key            # a gradient sink needs only the attention sink (one gate)
+            continue
         assert c[key].holds == NOT_COMPARABLE, key
         assert missing in c[key].why_not_comparable
     theta = gs.theta_claims(np.array([[0.5, 0.1], [0.2, 0.3], [-0.1, 0.2], [-0.4, -0.2]]),

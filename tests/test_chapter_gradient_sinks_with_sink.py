@@ -46,6 +46,37 @@ def test_a_sink_without_massive_activation_tests_the_sink_claims_only():
     assert c["bb_theta_layer_pattern"].holds == "not comparable"      # one layer has no layer pattern
 
 
+def test_massive_activation_statements_need_one_and_much_smaller_means_at_most_half():
+    c = _by_id(ws.setting_claims(_rows()))                              # token-0 ratio 1.5: no massive activation
+    for gated in ("bb_change_near_one", "bb_compress_falls_with_norm"):
+        assert c[gated].holds == NOT_COMPARABLE and "token-0 ratio 1.50" in c[gated].why_not_comparable
+    massive = {"token-0 ratio": 8.0}
+    c = _by_id(ws.setting_claims(_rows(base=massive)))
+    assert c["bb_change_near_one"].holds is True and c["bb_compress_falls_with_norm"].holds is True
+    c = _by_id(ws.setting_claims(_rows(base={"token-0 value norm / early": 0.6})))
+    assert c["bb_token0_value_small"].holds is False                    # smaller, but not "much smaller"
+
+
+def test_loss_parity_is_a_statistical_claim_over_seeds():
+    c = _by_id(ws.setting_claims(_rows(per_seed={0: {"val loss": 3.09}, 1: {"val loss": 3.2}})))
+    parity = c["bb_vscale_loss_parity"]
+    assert parity.effect["seeds"] == 3 and parity.interest["non_inferiority"] and parity.interest["units"] == "nats"
+    assert parity.holds == "inconclusive"                                # an interval spanning the margin
+    one = _by_id(ws.setting_claims(_rows(seeds=(0,))))["bb_vscale_loss_parity"]
+    assert one.holds == NOT_COMPARABLE and "1 seed" in one.why_not_comparable
+
+
+def test_value_spike_needs_pronounced_key_and_value_spikes_and_a_flat_query_path():
+    def spikes(key, value, query_peak):
+        probe = fake_probe(r_gs=24, key_spike=key, value_spike=value)
+        probe.grad_q[:, 5] = query_peak                                   # one early query position
+        return _by_id(ws.pretrained_claims("m", probe))["m_value_spike"].holds
+    assert spikes(2.0, 3.0, 1.0) is True
+    assert spikes(1.5, 3.0, 1.0) is False                                # no pronounced key spike
+    assert spikes(3.0, 2.5, 1.0) is False                                # value not above key
+    assert spikes(2.0, 3.0, 10.0) is False                               # the query path spikes too
+
+
 def test_one_seed_against_the_paper_breaks_an_every_seed_rule():
     c = _by_id(ws.setting_claims(_rows(per_seed={1: {"median R_GS": 40.0, "Sink^eps middle": 0.5}})))
     assert c["bb_vscale_lowers_rgs"].holds is False

@@ -18,8 +18,9 @@ from ..core.claims import Finding, Rule, check, claim
 from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, SettingsError, above
 from ..core.published import GRADIENT_SINKS_0P3B, reported_0p3b
 from ..interventions.vscale import learned_theta, raw_value_norms, theta_halves, valve_constant
-from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, ProbeResult, RATIO_MIN,
-                                   RGS_T_E, SINK_EPS, SINK_MIN, grad_q0_share, path_norms, path_spikes, sink_check)
+from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, LOWERS, ProbeResult,
+                                   RATIO_MIN, RGS_T_E, SINK_EPS, SINK_MIN, grad_q0_share, lowered,
+                                   lowers_precondition, path_norms, path_spikes, sink_check)
 from ..runs.gradient_sinks import GradientSinkRuns, load_emergence_runs
 from ..training.scratch import SIZES
 from .base import Chapter, finding
@@ -42,7 +43,6 @@ PROFILES = Profiles({
 
 SIZE_WITH_SINK = Rule.true(f"Sink^eps(middle) >= {SINK_MIN:g} and token-0 ratio >= {RATIO_MIN:g} for some size tried")
 GRADIENT_SINK = Rule.between(10, 100, "median R_GS(0; 31)")
-LOWERS = Rule("V-scale < baseline", lambda pair: pair[1] < pair[0])
 KEEPS_SINK = Rule(f"V-scale >= {KEEP_SINK_SHARE:g} x baseline (factor ours)",
                   lambda pair: pair[1] >= KEEP_SINK_SHARE * pair[0])
 LOSS_PARITY = Rule(f"|V-scale - baseline| <= {LOSS_TOLERANCE:g} nats (tolerance ours)",
@@ -247,26 +247,27 @@ def vscale_claims(base: dict, vscale: dict, base_check: dict) -> list:
     paper = reported_0p3b()
     both = (bool(base_check["sink"] and base_check["massive"]), _missing(base_check, need_massive=True))
     has_sink = (bool(base_check["sink"]), _missing(base_check, need_massive=False))
+    sink = has_sink
+    massive = (bool(base_check["massive"]), _missing(base_check, need_massive=True))
 
     def pair(key):
         return base[key], vscale[key]
+
+    def lowers(id_, source, statement, key, quantity, fmt):
+        return claim(id_, "measured", source, statement, _paper(paper[key], "g"),
+                     f"{base[key]:{fmt}} -> {vscale[key]:{fmt}}", LOWERS, value=lowered(*pair(key)),
+                     precondition=lowers_precondition(quantity, sink, massive))
 
     return [
         claim("baseline_gradient_sink", "measured", f"{SRC}, Sec. 3 / Fig. 1",
               "a scratch-trained baseline with an attention sink has a gradient sink at token 0",
               "median R_GS 10-100", round(base["median_r_gs"], 2), GRADIENT_SINK, precondition=has_sink),
-        claim("vscale_lowers_rgs", "measured", f"{SRC}, Sec. 5 / Fig. 6 (0.3B)",
-              "V-scale lowers the median gradient-sink ratio", _paper(paper["median_r_gs"], "g"),
-              f"{base['median_r_gs']:.2f} -> {vscale['median_r_gs']:.2f}", LOWERS, value=pair("median_r_gs"),
-              precondition=both),
-        claim("vscale_lowers_token0_norm", "measured", f"{SRC}, Sec. 5 (0.3B)",
-              "V-scale lowers token 0's residual norm (mean over layers)", _paper(paper["token0_norm_mean"], "g"),
-              f"{base['token0_norm_mean']:.1f} -> {vscale['token0_norm_mean']:.1f}", LOWERS,
-              value=pair("token0_norm_mean"), precondition=both),
-        claim("vscale_lowers_token0_ratio", "measured", f"{SRC}, Sec. 5 (0.3B)",
-              "V-scale lowers the token-0 / early-token norm ratio", _paper(paper["token0_ratio_mean"], "g"),
-              f"{base['token0_ratio_mean']:.2f} -> {vscale['token0_ratio_mean']:.2f}", LOWERS,
-              value=pair("token0_ratio_mean"), precondition=both),
+        lowers("vscale_lowers_rgs", f"{SRC}, Sec. 5 / Fig. 6 (0.3B)", "V-scale suppresses the median gradient-sink "
+               "ratio", "median_r_gs", "median R_GS", ".2f"),
+        lowers("vscale_lowers_token0_norm", f"{SRC}, Sec. 5 (0.3B)", "V-scale suppresses token 0's residual norm "
+               "(mean over layers)", "token0_norm_mean", "token-0 norm", ".1f"),
+        lowers("vscale_lowers_token0_ratio", f"{SRC}, Sec. 5 (0.3B)", "V-scale suppresses the token-0 / early-token "
+               "norm ratio", "token0_ratio_mean", "token-0 ratio", ".2f"),
         claim("vscale_keeps_sink", "measured", f"{SRC}, Sec. 5",
               "the attention sink survives V-scale (Sink^eps at token 0)", "sink rate kept",
               f"{base['sink_rate_mean']:.2f} -> {vscale['sink_rate_mean']:.2f}", KEEPS_SINK,

@@ -16,16 +16,17 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.claims import Effect, Finding, Interest, Rule, check, claim, slug, statistical
 from ..core.models import REAL_MODELS, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles
-from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, ProbeResult, RATIO_MIN,
-                                   RGS_T_E, SINK_MIN, grad_q0_share, path_norms, path_spikes, sink_check)
+from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, LOWER_FACTOR, LOWERS,
+                                   ProbeResult, RATIO_MIN, RGS_T_E, SINK_MIN, grad_q0_share, lowered,
+                                   lowers_precondition, path_norms, path_spikes, sink_check)
 from ..runs.gradient_sinks import probe_pretrained
 from ..runs.vscale_setting import (QUANTISERS, RetrofitConfig, SETTING, retrofit_measurements, setting_pairs,
                                    setting_quantisation)
 from ..training.synthetic import corpus_for
-from .base import Chapter, finding
+from .base import Chapter, all_of, finding
 
 
 NAME = "gradient_sinks_with_sink"
@@ -43,26 +44,39 @@ SRC = "Gradient-sinks paper"
 CHANGE_TOLERANCE = 0.1                   # ours: "Change near 1" = median |log10 Change| <= 0.1 (within 26 %)
 
 PRETRAINED_GRADIENT_SINK = Rule.between(10, 100, "median R_GS(0; 31)")
-VALUE_SPIKE = Rule("value spike > key spike", lambda pair: pair[0] > pair[1])
+# Fig. 2 / 9 (Sec. 3, App.): "On the key and value pathways, the gradient norm exhibits a pronounced spike at the
+# first token ... the value-path spike is consistently larger than the key-side one. By contrast, the query pathway
+# ... is much flatter". Our reading, fixed before the data: "pronounced" = token 0 at least SPIKE_FACTOR x the mean
+# of tokens 1-31 on both the key and the value path (the same factor 2 we read into "suppressed"/"much smaller");
+# value spike > key spike; "flat" query path = no query position among tokens 1-31 reaches SPIKE_FACTOR x their mean
+# (token 0's query gradient is zero by the causal mask, so a query spike can only show later).
+SPIKE_FACTOR = 2.0
+VALUE_SPIKE = Rule(f"key spike >= {SPIKE_FACTOR:g}, value spike >= {SPIKE_FACTOR:g}, value > key, and the query "
+                   f"path's largest early peak < {SPIKE_FACTOR:g} (factor ours)",
+                   lambda s: s["key"] >= SPIKE_FACTOR and s["value"] >= SPIKE_FACTOR and s["value"] > s["key"]
+                   and s["query_peak"] < SPIKE_FACTOR)
 GRAD_Q0_ZERO = Rule.at_most(GRAD_Q0_TOLERANCE, "max |grad q_0| / max |grad q_t|")
 FINITE = Rule.true("every R_GS is finite")
 EVERY_SEED = "in every seed"
 HAS_SINK = Rule.true(f"Sink^eps(middle) >= {SINK_MIN:g} {EVERY_SEED}")
 HAS_MASSIVE = Rule.true(f"token-0 ratio (max, middle) >= {RATIO_MIN:g} {EVERY_SEED}")
 GRADIENT_SINK = Rule.between(10, 100, "median over seeds of median R_GS(0; 31)")
-# "Lowers" means at least halved (ours; the paper's 0.3B reductions are 6.7x for R_GS and 5.5x for the token-0
-# norm). Set after a bare "<" passed a 0.2 % difference of a single retrofit run, which says nothing.
-LOWER_FACTOR = 0.5
-LOWER = Rule.true(f"V-scale <= {LOWER_FACTOR:g} x the baseline {EVERY_SEED}")
 KEEPS = Rule.true(f"V-scale Sink^eps >= {KEEP_SINK_SHARE:g} x the baseline's {EVERY_SEED}")
-PARITY = Rule.at_most(LOSS_TOLERANCE, "|mean over seeds of V-scale - baseline validation loss| (nats)")
-VALUE_SMALL = Rule.true(f"token 0's raw value norm below the mean of tokens 1-{RGS_T_E} {EVERY_SEED} "
-                        f"(median over layers and heads)")
+# "V-scale costs no validation loss" is a comparison over seeds: non-inferiority against a margin.
+PARITY_INTEREST = Interest(LOSS_TOLERANCE, f"ours: the paper calls 2.917 -> 2.907 nats (0.3B) parity; a loss of up "
+                           f"to {LOSS_TOLERANCE:g} nats still reads as parity at our scale", units="nats",
+                           non_inferiority=True)
+# App. / Fig. 12: "the value state of token 0 is usually much smaller than the mean ... over other early tokens".
+# "Much smaller" read as at most half (the factor of LOWERS), "usually" as the median over layers and heads.
+VALUE_SMALL_FACTOR = 0.5
+VALUE_SMALL = Rule.true(f"token 0's raw value norm <= {VALUE_SMALL_FACTOR:g} x the mean of tokens 1-{RGS_T_E} "
+                        f"{EVERY_SEED} (median over layers and heads; 'much smaller' read as at most half)")
 CHANGE_NEAR_ONE = Rule.at_most(CHANGE_TOLERANCE, "largest over seeds of median |log10 Change^attn|")
 COMPRESS_FALLS = Rule.true(f"Spearman rho(log ||h||, log Compress^attn) < 0 {EVERY_SEED}")
 BLOAT_AT_TOKEN0 = Rule.true(f"median Bloat^attn of token 0 above the other tokens' {EVERY_SEED}")
 THETA_PATTERN = Rule.true("mean theta of the first half of the layers above the second half's (seed mean)")
-RETROFIT_LOWERS = Rule.true(f"after the V-scale fine-tune <= {LOWER_FACTOR:g} x the plain fine-tune's")
+RETROFIT_LOWERS = Rule.true(f"after the V-scale fine-tune <= {LOWER_FACTOR:g} x the plain fine-tune's (the "
+                            "factor of the shared LOWERS rule)")
 RETROFIT_KEEPS = Rule(f"V-scale >= {KEEP_SINK_SHARE:g} x plain fine-tune (factor ours)",
                       lambda pair: pair[1] >= KEEP_SINK_SHARE * pair[0])
 RETROFIT_PARITY = Rule(f"|V-scale - plain fine-tune| <= {LOSS_TOLERANCE:g} nats",
@@ -84,9 +98,10 @@ def pretrained_claims(spec: str, probe: ProbeResult) -> list:
               f"pretrained {spec}: median R_GS in the 10-100 range", "10-100", round(median, 2), PRETRAINED_GRADIENT_SINK,
               precondition=has_sink),
         claim(f"{slug(spec)}_value_spike", "measured", f"{SRC}, Fig. 9",
-              f"pretrained {spec}: the token-0 spike is larger on the value path than on the key path",
-              "value > key", f"value {spike['value']:.1f}x, key {spike['key']:.1f}x", VALUE_SPIKE,
-              value=(spike["value"], spike["key"]), precondition=has_sink),
+              f"pretrained {spec}: a pronounced token-0 gradient spike on the key and value paths, larger on the "
+              "value path, and a flat query path", "pronounced key/value spike, value > key, flat query",
+              f"value {spike['value']:.1f}x, key {spike['key']:.1f}x, query peak {spike['query_peak']:.1f}x",
+              VALUE_SPIKE, value=spike, precondition=has_sink),
     ]
 
 
@@ -150,6 +165,16 @@ def seed_rows(pairs: dict) -> pd.DataFrame:
                          for name, numbers in pair.items()])
 
 
+def seed_effect(differences, units: str, level: float = 0.95) -> Effect:
+    """The mean of per-seed paired differences with its t-interval over seeds (positive = the paper's direction);
+    at least two seeds."""
+    v = np.asarray(differences, dtype=float)
+    from scipy.stats import t
+    half = t.ppf(0.5 + level / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)) if len(v) >= 2 else 0.0
+    return Effect(float(v.mean()), float(v.mean() - half), float(v.mean() + half), level,
+                  "t-interval over seeds (paired by seed)", len(v), len(v), units)
+
+
 def seed_interval(values) -> str:
     """Mean and 95 % t-interval over seeds (the seed spread), or the single value."""
     v = np.asarray(values, dtype=float)
@@ -188,35 +213,41 @@ def setting_claims(rows: pd.DataFrame, theta: dict | None = None) -> list:
               seed_interval(base["median R_GS"]), GRADIENT_SINK, value=float(base["median R_GS"].median()),
               precondition=sink_pre),
         claim("bb_vscale_lowers_rgs", "measured", f"{SRC}, Sec. 5 / Fig. 6",
-              "V-scale lowers the median gradient-sink ratio", "strongly lowered", pair("median R_GS"), LOWER,
-              value=bool((vs["median R_GS"] <= LOWER_FACTOR * base["median R_GS"]).all()), precondition=sink_pre),
+              "V-scale suppresses the median gradient-sink ratio", "40 -> 6 at 0.3B", pair("median R_GS"), LOWERS,
+              value=lowered(base["median R_GS"], vs["median R_GS"]),
+              precondition=lowers_precondition("median R_GS", sink_pre, massive_pre)),
         claim("bb_vscale_keeps_sink", "measured", f"{SRC}, Sec. 5",
               "the attention sink survives V-scale", "kept", pair("Sink^eps middle"), KEEPS,
               value=bool((vs["Sink^eps middle"] >= KEEP_SINK_SHARE * base["Sink^eps middle"]).all()),
               precondition=sink_pre),
-        claim("bb_vscale_loss_parity", "measured", f"{SRC}, Sec. 5", "V-scale costs no validation loss", "parity",
-              f"V-scale - baseline {seed_interval(loss_diff)} nats", PARITY, value=abs(float(loss_diff.mean())),
-              precondition=sink_pre),
+        statistical("bb_vscale_loss_parity", f"{SRC}, Sec. 5", "V-scale costs no validation loss (baseline minus "
+                    "V-scale loss over seeds; positive = V-scale better)", "2.917 -> 2.907 nats at 0.3B",
+                    seed_effect(-loss_diff, "nats"), PARITY_INTEREST,
+                    precondition=all_of(sink_pre, (n >= 2, f"{n} seed: no spread over seeds to bound the difference "
+                                                           "with"))),
         claim("bb_vscale_lowers_token0_norm", "measured", f"{SRC}, Sec. 5",
-              "V-scale lowers token 0's residual norm (massive activation)", "lowered", pair("token-0 norm"), LOWER,
-              value=bool((vs["token-0 norm"] <= LOWER_FACTOR * base["token-0 norm"]).all()), precondition=massive_pre),
+              "V-scale suppresses token 0's residual norm (massive activation)", "1916 -> 346 at 0.3B",
+              pair("token-0 norm"), LOWERS, value=lowered(base["token-0 norm"], vs["token-0 norm"]),
+              precondition=lowers_precondition("token-0 norm", sink_pre, massive_pre)),
         claim("bb_token0_value_small", "measured", f"{SRC}, App. / Fig. 12",
               "in the baseline, token 0's value state is much smaller than other early tokens'", "much smaller",
               seed_interval(base["token-0 value norm / early"]), VALUE_SMALL,
-              value=bool((base["token-0 value norm / early"] < 1).all()), precondition=sink_pre),
+              value=bool((base["token-0 value norm / early"] <= VALUE_SMALL_FACTOR).all()), precondition=sink_pre),
         claim("bb_bloat_at_token0", "measured", f"{SRC}, Sec. 4 / Fig. 3",
               "the large-activation points (token 0) are where Bloat^attn is extreme",
               "token 0 >> others", f"token 0 {seed_interval(base['Bloat token 0'])}, others "
                                    f"{seed_interval(base['Bloat others'])}", BLOAT_AT_TOKEN0,
               value=bool((base["Bloat token 0"] > base["Bloat others"]).all()), precondition=massive_pre),
+        # Sec. 4 describes the massive-activation regime ("aside from a small number of points outside the
+        # massive-activation regime"; "larger activation norms ..."): without one the statement has no subject.
         claim("bb_change_near_one", "measured", f"{SRC}, Sec. 4 / Figs. 3, 10",
               "Change^attn stays near 1 (the residual gradient is not distorted)", "near 1",
               seed_interval(base["median |log10 Change|"]), CHANGE_NEAR_ONE,
-              value=float(base["median |log10 Change|"].max())),
+              value=float(base["median |log10 Change|"].max()), precondition=massive_pre),
         claim("bb_compress_falls_with_norm", "measured", f"{SRC}, Sec. 4 / Figs. 3, 10",
               "larger activation norms go with smaller Compress^attn", "negative relation",
               f"rho {seed_interval(base['rho(norm, Compress)'])}", COMPRESS_FALLS,
-              value=bool((base["rho(norm, Compress)"] < 0).all())),
+              value=bool((base["rho(norm, Compress)"] < 0).all()), precondition=massive_pre),
     ]
     if theta:
         layers = next(iter(theta.values())).shape[0]
@@ -290,10 +321,10 @@ def retrofit_claims(result: dict) -> list:
     return [
         claim("retrofit_lowers_token0_norm", "measured", src,
               f"V-scale added to {model} and fine-tuned lowers token 0's residual norm", "lowered",
-              both("token-0 norm", ".1f"), RETROFIT_LOWERS, value=vs["token-0 norm"] <= LOWER_FACTOR * plain["token-0 norm"],
+              both("token-0 norm", ".1f"), RETROFIT_LOWERS, value=lowered(plain["token-0 norm"], vs["token-0 norm"]),
               precondition=has, origin="ours"),
         claim("retrofit_lowers_rgs", "measured", src, "... and lowers the median gradient-sink ratio", "lowered",
-              both("median R_GS", ".2f"), RETROFIT_LOWERS, value=vs["median R_GS"] <= LOWER_FACTOR * plain["median R_GS"],
+              both("median R_GS", ".2f"), RETROFIT_LOWERS, value=lowered(plain["median R_GS"], vs["median R_GS"]),
               precondition=has, origin="ours"),
         claim("retrofit_keeps_sink", "measured", src, "... while the attention sink stays", "kept",
               both("Sink^eps middle", ".2f"), RETROFIT_KEEPS, value=(plain["Sink^eps middle"], vs["Sink^eps middle"]),
@@ -333,7 +364,7 @@ def removed_massive_activation(rows: pd.DataFrame) -> tuple[bool, str]:
     if not (base["token-0 ratio"] >= RATIO_MIN).all():
         return False, (f"the synthetic baseline has no massive activation to remove (token-0 ratio "
                        f"{', '.join(f'{x:.2f}' for x in base['token-0 ratio'])}; threshold {RATIO_MIN:g})")
-    return (bool((vs["token-0 norm"] <= LOWER_FACTOR * base["token-0 norm"]).all()),
+    return (lowered(base["token-0 norm"], vs["token-0 norm"]),
             f"V-scale did not lower the token-0 norm to {LOWER_FACTOR:g} x the baseline's")
 
 
