@@ -67,6 +67,10 @@ def test_vscale_jacobian():
                                               {"max": 1.2, "argmax_r_over_C": 2.9}))
     assert [claims[i].holds for i in ("gs_vs_jacobian", "gs_vs_eigen", "gs_vs_peak", "gs_vs_argmax",
                                       "gs_vs_attenuation")] == [False] * 5
+    # a radial eigenvalue far below 3r/C satisfied the old "<= 3r/C" but is not Cor. 2's expansion
+    assert by_id(ch.vscale_jacobian_finding(vscale_table(radial_small=1e-5), peak))["gs_vs_attenuation"].holds is False
+    exact = 3e-4 * (1 + 1e-4 / 3) / (1 + 1e-4) ** 2                       # the formula itself: departure 5/3 r/C
+    assert by_id(ch.vscale_jacobian_finding(vscale_table(radial_small=exact), peak))["gs_vs_attenuation"].holds is True
     over = by_id(ch.vscale_jacobian_finding(vscale_table(op=1.2), peak))["gs_vs_peak"]
     assert over.holds is False and over.our_value == 9 / 8            # an ||J|| above the peak fails the check
 

@@ -50,6 +50,19 @@ def test_theorem1_plain_when_a_draw_breaks_the_bounds():
     assert {c.id for c in failed_must_hold(finding.claims)} == {"vl_t1_bound_holds", "vl_t1_rigorous"}
 
 
+def test_the_first_order_check_allows_the_second_order_term():
+    """Theorem 1 bounds B_gap to first order: an exact B_gap over the bound by its O(eps^2) term (inside the
+    rigorous bound) may not fail the build; a first-order B_gap over the bound must."""
+    over_by_eps2 = plain_draws([1.05], [1.0], rigorous=[1.1], first_order=[0.98])
+    claims = by_id(ch.theorem1_plain_finding(plain_draws([0.17], [0.2]), over_by_eps2))
+    assert claims["vl_t1_bound_holds"].holds is True and claims["vl_t1_rigorous"].holds is True
+    first_order_over = plain_draws([1.05], [1.0], rigorous=[1.1], first_order=[1.02])
+    assert by_id(ch.theorem1_plain_finding(plain_draws([0.17], [0.2]), first_order_over))["vl_t1_bound_holds"].holds is False
+    exact_only = dict(sweep(ratio=0.3), max_ratio_qknorm=np.full(3, 1.05))      # exact over, first order within
+    normed = {"B_gap": np.array([0.1]), "bound_eq5": np.array([1.0])}
+    assert by_id(ch.qknorm_sweep_finding(exact_only, normed))["vl_eq5_bound"].holds is True
+
+
 def test_theorem1_plain_paper_numbers_that_do_not_reproduce_are_claims_not_failed_checks():
     finding = ch.theorem1_plain_finding(plain_draws([0.05], [1.0]), plain_draws([0.05, 0.2], [1.0, 1.0]))
     claims = by_id(finding)
@@ -84,7 +97,7 @@ def sweep(ratio=0.3, qk_b_gap=(0.24, 0.24, 0.24), plain_growth=1.0):
     scales = np.array([1.0, 10.0, 100.0])
     return {"scale": scales, "B_gap_plain": 0.05 * scales ** 2 * plain_growth ** (scales > 50),
             "bound_plain": 1.3 * scales ** 2, "B_gap_qknorm": np.array(qk_b_gap), "bound_qknorm": np.full(3, 2.6),
-            "max_ratio_qknorm": np.full(3, ratio)}
+            "max_ratio_qknorm": np.full(3, ratio), "max_first_order_ratio_qknorm": np.full(3, ratio)}
 
 
 def test_qknorm_sweep():
@@ -217,9 +230,14 @@ def test_quick_profile_runs_every_finding_and_every_check_holds(quick_chapter):
     assert not failed_must_hold(claims)
     assert {c.kind for c in claims} == {"math"}
     assert results["models"] == [] and results["parameters"]["profile"] == "quick"
-    expected = {"vl_t1_single_draw": False, "vl_t1_ratio_reached": False, "vl_t1_single_draw_abs": NOT_COMPARABLE,
-                "vl_a5_lead_attenuated": True, "vl_l1_paper_case": True}
-    assert {c.id: c.holds for c in claims if not c.must_hold} == expected
+    # which paper numbers reproduce is the chapter's result, not the code's: test that each claim is decided and
+    # agrees with its own rule, not which way it went
+    open_claims = {c.id: c for c in claims if not c.must_hold}
+    assert set(open_claims) == {"vl_t1_single_draw", "vl_t1_ratio_reached", "vl_t1_single_draw_abs",
+                                "vl_a5_lead_attenuated", "vl_l1_paper_case"}
+    assert open_claims["vl_t1_single_draw_abs"].holds == NOT_COMPARABLE      # by construction: no weight scale given
+    assert all(c.holds in (True, False) for i, c in open_claims.items() if i != "vl_t1_single_draw_abs")
+    assert open_claims["vl_t1_ratio_reached"].holds is (open_claims["vl_t1_ratio_reached"].our_value >= ch.PAPER_A6["ratio"])
     assert set(results["extra"]) >= {"theorem1_ratio_quantiles", "eq4_smallest_c", "eq5_smallest_c"}
 
 

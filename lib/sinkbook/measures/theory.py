@@ -281,7 +281,7 @@ def theorem1_qknorm(inst: HeadInstances, gamma_q=None, gamma_k=None, rope: bool 
 def magnitude_sweep(inst: HeadInstances, scales, gamma_q=None, gamma_k=None, rms_eps: float = 1e-6) -> dict:
     """Median (over instances) B_gap and bound at each input scale, without and with QK-RMSNorm."""
     rows = {k: [] for k in ("scale", "B_gap_plain", "bound_plain", "B_gap_qknorm", "bound_qknorm",
-                            "max_ratio_qknorm")}
+                            "max_ratio_qknorm", "max_first_order_ratio_qknorm")}
     for s in scales:
         if s <= 0:
             raise ValueError(f"input scales must be > 0, got {s}")
@@ -294,6 +294,7 @@ def magnitude_sweep(inst: HeadInstances, scales, gamma_q=None, gamma_k=None, rms
         rows["B_gap_qknorm"].append(float(np.median(normed["B_gap"])))
         rows["bound_qknorm"].append(float(np.median(normed["bound_eq5"])))
         rows["max_ratio_qknorm"].append(float(np.max(normed["B_gap"] / normed["bound_eq5"])))
+        rows["max_first_order_ratio_qknorm"].append(float(np.max(normed["B_gap_first_order"] / normed["bound_eq5"])))
     return {k: np.array(v) for k, v in rows.items()}
 
 
