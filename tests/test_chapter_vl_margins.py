@@ -33,7 +33,18 @@ def test_table5_split_holds_when_the_margins_read_as_the_paper_says():
     assert claims["table5_margin_split"].holds is True
     assert claims["table5_layerwise_strongly_negative"].holds is True
     assert claims["table5_margin_split"].kind == "recomputed"
-    assert {claims[i].kind for i in ("lemma1_sanity_check", "lemma1_bound_tight", "strong_sink_threshold")} == {"math"}
+    arithmetic = [claims[i] for i in ("table5_margin_arithmetic", "strong_sink_threshold")]
+    assert all((c.kind, c.origin) == ("recomputed", "ours") and "paper's arithmetic" in c.statement for c in arithmetic)
+    assert claims["table5_margin_split"].origin == "ours"            # the two thresholds are ours
+    assert not any(i.startswith("lemma1_") for i in claims)           # Lemma 1 is claimed in the theorems chapter
+
+
+def test_the_sensitivity_note_reports_where_the_split_stops_holding():
+    finding = C.table5_finding(TABLE5, PUBLISHED)
+    by_class = {qk: list(TABLE5.g_minus_b[TABLE5.qk == qk]) for qk in ("per-head", "none")}
+    note = next(n for n in finding.notes if n.startswith("How the verdict moves"))
+    assert f"{max(by_class['none']):+.2f} nat or above" in note
+    assert f"{max(abs(m) for m in by_class['per-head']):.2f} nat or more" in note
 
 
 @pytest.mark.parametrize("changes, why", [

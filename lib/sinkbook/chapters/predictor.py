@@ -57,9 +57,14 @@ def within_rounding(paper_value: float, printed_half_width: float, inputs: str) 
 JOINTLY_CONSISTENT = Rule(f"worst deviation <= {PRINT_2DP:g} (the paper's print rounding)",
                           lambda v: v <= PRINT_2DP + 1e-12)
 NO_FALSE_SAFE = Rule.true("holds when no pair with S >= 2 loses more than 5.4 pt")
-SPAN_EXACT = Rule.true("span of the pairs printed at S = 1.18 equals the quoted span exactly")
-NEAR_S_PRINTED = 1.18         # the printed S nearest the paper's "S = 1.2" (the Qwen2.5-7B reference LLMs)
-NEAR_S_WIDE = 0.15            # a wider window, reported as a note only
+# Sec. 3.3: "pairs near S ~ 1.2 span -8.9 to -17.9 pt". The paper prints S with two decimals in its tables but
+# writes 1.2 with one here, so we read "near S ~ 1.2" as the pairs whose printed S rounds to 1.2 at one decimal,
+# |S - 1.2| < 0.05 (fixed from the sentence's rounding, not from the table); the note reports the span for wider
+# windows, so a reader sees how the verdict moves with the choice.
+NEAR_S_HALF_WIDTH = 0.05
+NEAR_S_WINDOWS = (0.05, 0.10, 0.15)
+SPAN_EXACT = Rule.true(f"span of the pairs with |S - 1.2| < {NEAR_S_HALF_WIDTH:g} (S rounds to 1.2) equals the "
+                       "quoted span exactly")
 HEADLINE_BOUNDS = Rule.true("the two printed bounds hold on Table 6")
 PER_HEAD_MAX_LOSS, NO_QK_MIN_LOSS = 5.4, 7.9      # VL paper, Sections 1 and 3.1
 NONE_FAILING = Rule.at_most(0, "failures")
@@ -375,13 +380,21 @@ def s_rule_finding(t11: pd.DataFrame, six: pd.DataFrame, published: dict) -> Fin
                     f"{len(false_risky)} of {int((~rule.predicted_safe).sum())} pairs below 2 also stay within",
                     NO_FALSE_SAFE, value=false_safe == 0)]
     low, high = published["rule_near_s_span_low_text"], published["rule_near_s_span_high_text"]
-    near = t11[np.isclose(t11.s, NEAR_S_PRINTED)].delta_ifeval
-    wide = t11[(t11.s - published["rule_near_s_text"]).abs() <= NEAR_S_WIDE].delta_ifeval
+    centre = published["rule_near_s_text"]
+
+    def span(half_width):
+        # a small tolerance so that a printed S exactly on a window's edge (1.15 against 0.05) is not lost to floats
+        return t11[(t11.s - centre).abs() < half_width - 1e-9].delta_ifeval
+
+    near = span(NEAR_S_HALF_WIDTH)
+    spans = {w: span(w) for w in NEAR_S_WINDOWS}
+    exact = bool(len(near) and near.max() == low and near.min() == high)
     claims.append(claim("rule_near_1_2_span", "recomputed", f"{SRC}, Section 3.3",
-                        "pairs near S = 1.2 span -8.9 to -17.9 pt on IFEval", f"{low:+.1f} to {high:+.1f}",
-                        f"{near.max():+.1f} to {near.min():+.1f} at S = {NEAR_S_PRINTED}; "
-                        f"{wide.max():+.1f} to {wide.min():+.1f} for |S - 1.2| <= {NEAR_S_WIDE}",
-                        SPAN_EXACT, value=bool(near.max() == low and near.min() == high)))
+                        f"pairs near S = {centre:g} span {low:+.1f} to {high:+.1f} pt on IFEval",
+                        f"{low:+.1f} to {high:+.1f}",
+                        f"{near.max():+.1f} to {near.min():+.1f} ({len(near)} pairs with |S - {centre:g}| < "
+                        f"{NEAR_S_HALF_WIDTH:g})" if len(near) else "no pair in the window",
+                        SPAN_EXACT, value=exact))
     head = six[six.headline]
     per_head, no_qk = head[head.qk == "per-head"].ifeval, head[head.qk == "none"].ifeval
     claims.append(claim("headline_split", "recomputed", f"{SRC}, Sections 1 and 3.1",
@@ -389,7 +402,12 @@ def s_rule_finding(t11: pd.DataFrame, six: pd.DataFrame, published: dict) -> Fin
                         f"worst per-head {per_head.min():+.1f}; mildest no-QK-norm {no_qk.max():+.1f}", HEADLINE_BOUNDS,
                         value=bool(per_head.min() >= -PER_HEAD_MAX_LOSS and no_qk.max() <= -NO_QK_MIN_LOSS)))
     notes = [f"The rule flags {len(false_risky)} pairs as risky that stay within {within:g} pt: "
-             f"{', '.join(false_risky.pair) or 'none'}."]
+             f"{', '.join(false_risky.pair) or 'none'}.",
+             "The S ~ 1.2 span by window (ours is the first): " + "; ".join(
+                 f"|S - {centre:g}| < {w:g}: " + (f"{v.max():+.1f} to {v.min():+.1f} ({len(v)} pairs, "
+                                                  f"{'equals' if v.max() == low and v.min() == high else 'differs from'}"
+                                                  f" the quoted span)" if len(v) else "no pair")
+                 for w, v in spans.items()) + "."]
     return Finding("The practical rule S >= 2 as a classifier", claims=claims, table=R.confusion_table(rule), notes=notes,
                    data={"per_pair": rule})
 
