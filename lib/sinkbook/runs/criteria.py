@@ -80,6 +80,22 @@ class CriteriaRuns:
                          "expected_gaps": int((real - 1).clamp_min(0).sum()) * info["heads"] * k}
         return out
 
+    def strength_without_template(self) -> dict:
+        """S over the chapter's window with every model scored without a chat template: the control that separates
+        the template from the architecture when a base model (no template) is compared with an instruct model."""
+        def measure():
+            out = {}
+            for spec, m in self.loaded.items():
+                summary = self.strength_summaries()[spec]
+                if not summary["chat"]:
+                    out[spec] = float(summary["S"])
+                    continue
+                k = self.window_for(spec)
+                out[spec] = float(sink_strength(m, self._prompts(self.settings.n_prompts), chat=False,
+                                                window=k).strength(k))
+            return out
+        return self._measure("strength_without_template", measure)
+
     def timings(self) -> dict:
         def measure():
             out = {}
