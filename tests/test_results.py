@@ -26,10 +26,11 @@ def test_results_file_round_trip(tmp_path):
     assert rows["recomputed"]["does not hold"] == 1 and rows["math"]["checks passed"] == "1/1"
     assert rows["math"]["holds"] == 0                       # a must-hold check is not counted as a claim
     text = headline(results)
-    assert text.startswith("**Measured on models run here:** 2 claims (1 holds, 0 does not hold, 1 not comparable)")
+    assert text.startswith("**Measured on models run here:** 2 claims (1 holds, 0 does not hold, 0 inconclusive, "
+                           "1 not comparable)")
     assert "recomputed from the papers' published tables:** 1 claims (0 holds, 1 does not hold" in text
     table = claims_markdown(results)
-    assert "| demo | measured | 1 | 0 | 1 | 0/0 |" in table
+    assert "| demo | measured | 1 | 0 | 0 | 1 | 0/0 |" in table
     assert "### demo" in table and table.count("| VL paper, Table 5 |") == 1
 
 
