@@ -64,7 +64,7 @@ def test_sinks_finding_gates_on_a_sink_and_keeps_the_checks():
     claims = _by_id(f)
     # Phi_LLM's sparsity is claimed once, in the sink-criteria chapter; this finding shows the set and refers to it
     assert not any(k.startswith("phi_llm_sparse") for k in claims)
-    assert any("phi_llm_sparse_*" in n for n in f.notes) and f.table.loc["m-dense", "max share flagged at one layer"] == 0.8
+    assert any("phi_llm_sparse_*" in n for n in f.notes) and f.table.loc["max share flagged at one layer", "m-dense"] == 0.8
     assert all(claims[f"gamma_zero_identical_{m}"].must_hold for m in ("m_sparse", "m_dense", "m_none"))
     assert "fixed at the last position" in claims["gamma_zero_identical_m_none"].statement
     assert any("no token at any layer" in n for n in f.notes)
