@@ -15,7 +15,7 @@ from test_explorer_browser import BOOK, REPO, DevTools, _evaluate, _require_page
 
 pytestmark = pytest.mark.browser
 RESULTS = BOOK.parent / "results" if BOOK.parent.name != "_build" else REPO / "results"
-BOX_CLASS = {True: "holds", False: "fails", "not comparable": "not-comparable"}
+BOX_CLASS = {True: "holds", False: "fails", "inconclusive": "inconclusive", "not comparable": "not-comparable"}
 
 
 @pytest.fixture(scope="module")

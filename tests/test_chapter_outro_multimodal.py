@@ -4,6 +4,7 @@ finding functions on synthetic measurements (verdicts and precondition gating), 
 model of every family, adapted through the adaptation chapter's jobs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -13,7 +14,7 @@ import torch
 
 from sinkbook.chapters import outro_multimodal as C
 from sinkbook.runs import multimodal as R
-from sinkbook.core.claims import NOT_COMPARABLE
+from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE, missing_effects
 from sinkbook.core.hooks import capture, intervene
 from sinkbook.core.models import TINY_FAMILIES
 
@@ -208,7 +209,7 @@ def _measured(learned=True, has_sink=True, effect=0, n=N, vlm_tokens=2.0, massiv
             "prune_sink_query_0.5": good(), "prune_random_0.5": bad(), "prune_mean_query_0.5": list(base),
             "remove_llm_sink": collapse, "remove_vlm_random": _variant(base, lost=1 if effect >= 0 else 10),
             "remove_vlm_others": list(base) if effect >= 0 else _variant(base, lost=10),
-            "rotate_vlm_top1": base if effect > 0 else good(), "rotate_vlm_top_percent": base if effect > 0 else good(),
+            "rotate_vlm_top1": list(base), "rotate_vlm_top_percent": list(base),
             "zero_k": bad()}
     held = base[n // 2:n // 2 + 20]
     val = {"baseline": held, **{f"{g:g}": (held if flat or g != gamma else _variant(held, gained=2))
@@ -258,9 +259,14 @@ def test_the_papers_world_holds_everywhere():
     assert measured["vlm_gamma_varies_across_models"].holds == NOT_COMPARABLE     # one model
     del measured["vlm_gamma_varies_across_models"]
     assert measured.pop("vlm_rotation_llm_beats_vlm_top_percent_m").holds == NOT_COMPARABLE   # top 1% = top 1
+    # "little effect" is a non-inferiority claim: 60 questions cannot put the interval inside the 2 pt margin
+    for name in ("random", "others"):
+        little = measured.pop(f"vlm_remove_vlm_{name}_little_effect_m")
+        assert little.holds == INCONCLUSIVE and "could detect" in little.caveat
     assert {k: c.holds for k, c in measured.items() if c.holds is not True} == {}
     assert all(c.holds is True for c in claims.values() if c.must_hold)
     assert claims["vlm_sink_query_beats_mean_query_m"].origin == "ours"
+    assert "vlm_zero_k_lowers_sink_attention_m" not in claims      # claimed once, in the sink-criteria chapter
 
 
 def test_the_opposite_world_does_not_hold():
@@ -269,13 +275,39 @@ def test_the_opposite_world_does_not_hold():
     assert {k: c.holds for k, c in measured.items() if c.holds is not False} == {}
 
 
-def test_no_difference_is_not_an_improvement():
-    claims = _claims({"m": _measured(effect=0)})
-    for key in ("vlm_outro_accuracy_m", "vlm_rotation_accuracy_m", "vlm_relaxation_accuracy_m",
-                "vlm_sink_query_pruning_m", "vlm_random_pruning_hurts_m", "vlm_zero_k_accuracy_m",
-                "vlm_remove_llm_sink_collapses_m"):
-        assert claims[key].holds is False, key
-    assert claims["vlm_remove_vlm_others_little_effect_m"].holds is True
+def test_no_difference_is_inconclusive_on_few_questions_and_refutes_on_many():
+    keys = ("vlm_outro_accuracy_m", "vlm_rotation_accuracy_m", "vlm_relaxation_accuracy_m",
+            "vlm_sink_query_pruning_m", "vlm_random_pruning_hurts_m", "vlm_zero_k_accuracy_m")
+    few = _claims({"m": _measured(effect=0)})
+    for key in keys:
+        assert few[key].holds == INCONCLUSIVE, key
+        assert few[key].effect["low"] < 0 < few[key].interest["value"] < few[key].effect["high"], key
+    many = _claims({"m": _measured(effect=0, n=6000)})
+    for key in keys:
+        assert many[key].holds is False, key         # the interval now excludes the effect of interest
+    # no fall at all excludes a fall to chance even on 60 questions
+    assert few["vlm_remove_llm_sink_collapses_m"].holds is False
+    assert many["vlm_remove_vlm_others_little_effect_m"].holds is True
+
+
+STATISTICAL = ("vlm_outro_accuracy", "vlm_rotation_accuracy", "vlm_relaxation_accuracy", "vlm_sink_query_pruning",
+               "vlm_random_pruning_hurts", "vlm_sink_query_beats_mean_query", "vlm_zero_k_accuracy",
+               "vlm_remove_llm_sink_collapses", "vlm_remove_vlm_random_little_effect",
+               "vlm_remove_vlm_others_little_effect", "vlm_rotation_llm_beats_vlm_top1",
+               "vlm_rotation_llm_beats_vlm_top_percent")
+
+
+def test_statistical_claims_carry_their_effect_interest_and_source():
+    claims = _claims({"m": _measured(effect=12, top_percent_is_top1=False)})
+    assert missing_effects(claims.values()) == []
+    paired = [k for k in claims if k.startswith(STATISTICAL)]
+    assert len(paired) == 12 and all(claims[k].effect and claims[k].interest for k in paired)
+    # the check can fail: the same claim without its effect is caught
+    bare = dataclasses.replace(claims["vlm_outro_accuracy_m"], effect=None, holds=True, caveat="")
+    assert missing_effects([bare]) == [bare]
+    outro = claims["vlm_outro_accuracy_m"]
+    assert outro.effect["estimate"] == pytest.approx(20.0) and outro.effect["units"] == "pt"
+    assert outro.interest["source"].startswith("paper: Table B.6")
 
 
 def test_a_model_without_a_sink_or_without_the_skill_is_not_comparable():
@@ -300,22 +332,47 @@ def test_phi_vlm_claims_need_massive_dimensions_and_flagged_tokens():
     assert claims["vlm_remove_llm_sink_collapses_m"].holds is True
 
 
-def test_little_effect_allows_two_points():
+def test_a_fall_that_stays_above_chance_is_not_a_collapse():
     world = _measured(effect=12)
-    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=2)          # -3.3 pt of 60
+    world["test"]["remove_llm_sink"] = _variant(world["test"]["baseline"], lost=12)    # 70% -> 50%, chance 24%
+    c = _claims({"m": world})["vlm_remove_llm_sink_collapses_m"]
+    assert c.holds is False and "excludes a fall to chance" in c.caveat          # interval about [9, 30] pt
+    assert c.interest["value"] == pytest.approx(46.0)     # the baseline's margin over chance, in points
+    world["test"]["remove_llm_sink"] = _variant(world["test"]["baseline"], lost=25)    # 70% -> 28%: near chance
+    c = _claims({"m": world})["vlm_remove_llm_sink_collapses_m"]
+    assert c.holds == INCONCLUSIVE and "above chance" in c.caveat                # about [28, 53] pt spans 46
+
+
+def test_little_effect_allows_two_points():
+    world = _measured(effect=12, n=3000)
+    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=90)         # -3 pt
     assert _claims({"m": world})["vlm_remove_vlm_random_little_effect_m"].holds is False
-    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=1)          # -1.7 pt
+    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=30)         # -1 pt
     assert _claims({"m": world})["vlm_remove_vlm_random_little_effect_m"].holds is True
 
 
-def test_gamma_claim_compares_two_models_and_needs_a_sweep_that_moves():
-    differs = C.rotation_strength_finding({"a": _measured(effect=12, gamma=1.0), "b": _measured(effect=12, gamma=3.0)})
-    assert differs.claims[0].holds is True and "a: 1, b: 3" in differs.claims[0].our_value
-    same = C.rotation_strength_finding({"a": _measured(effect=12, gamma=1.0), "b": _measured(effect=12, gamma=1.0)})
-    assert same.claims[0].holds is False
+def _val(world, own, gain, n=40):
+    """Validation outcomes where ``own`` gains ``gain`` of ``n`` questions over every other gamma."""
+    held = [1] * (n // 4) + [0] * (n - n // 4)
+    world["gamma"] = own
+    world["val"] = {"baseline": held, **{f"{g:g}": (_variant(held, gained=gain) if g == own else held)
+                                         for g in (0.5, 1.0, 3.0)}}
+    return world
+
+
+def test_gamma_claim_compares_two_models_and_needs_choices_that_are_more_than_noise():
+    finding = lambda a, b: C.rotation_strength_finding({"a": a, "b": b}).claims[0]
+    differs = finding(_val(_measured(effect=12), 1.0, 20), _val(_measured(effect=12), 3.0, 20))
+    assert differs.holds is True and "a: 1, b: 3" in differs.our_value
+    noise = finding(_val(_measured(effect=12), 1.0, 2), _val(_measured(effect=12), 3.0, 2))
+    assert noise.holds == INCONCLUSIVE                    # two questions apart: the choice may be noise
+    same = finding(_val(_measured(effect=12), 1.0, 20), _val(_measured(effect=12), 1.0, 20))
+    assert same.holds is False                            # both models clearly prefer the same gamma
+    assert finding(_val(_measured(effect=12), 1.0, 2), _val(_measured(effect=12), 1.0, 2)).holds == INCONCLUSIVE
     flat = C.rotation_strength_finding({"a": _measured(effect=12, flat=True), "b": _measured(effect=12, gamma=3.0)})
     assert flat.claims[0].holds == NOT_COMPARABLE
-    assert list(differs.table.index) == ["no OutRo", "gamma 0.5", "gamma 1", "gamma 3"]
+    table = C.rotation_strength_finding({"a": _measured(effect=12, gamma=1.0), "b": _measured(effect=12, gamma=3.0)})
+    assert list(table.table.index) == ["no OutRo", "gamma 0.5", "gamma 1", "gamma 3"]
 
 
 def test_freed_attention_follows_the_less_attended_modality():

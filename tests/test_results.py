@@ -4,7 +4,7 @@ import json
 import pytest
 
 from sinkbook.book.results import claims_markdown, headline, load_all_results, tally, write_results
-from sinkbook.core.claims import NOT_COMPARABLE, Claim, Finding, MustHoldFailed, Rule, check, claim, slug
+from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE, Claim, Finding, MustHoldFailed, Rule, check, claim, slug
 from sinkbook.core.profiles import Profiles, SettingsError
 
 
@@ -26,10 +26,11 @@ def test_results_file_round_trip(tmp_path):
     assert rows["recomputed"]["does not hold"] == 1 and rows["math"]["checks passed"] == "1/1"
     assert rows["math"]["holds"] == 0                       # a must-hold check is not counted as a claim
     text = headline(results)
-    assert text.startswith("**Measured on models run here:** 2 claims (1 holds, 0 does not hold, 1 not comparable)")
+    assert text.startswith("**Measured on models run here:** 2 claims (1 holds, 0 does not hold, 0 inconclusive, "
+                           "1 not comparable)")
     assert "recomputed from the papers' published tables:** 1 claims (0 holds, 1 does not hold" in text
     table = claims_markdown(results)
-    assert "| demo | measured | 1 | 0 | 1 | 0/0 |" in table
+    assert "| demo | measured | 1 | 0 | 0 | 1 | 0/0 |" in table
     assert "### demo" in table and table.count("| VL paper, Table 5 |") == 1
 
 
@@ -90,3 +91,92 @@ def test_profiles_resolve_overrides_and_refuse_what_they_do_not_know():
         profiles.resolve("quick", device="tpu")
     with pytest.raises(ValueError, match="missing"):
         Profiles({"quick": {}, "default": {}})
+
+
+def test_a_rule_that_raises_stops_instead_of_failing_the_claim():
+    # a value of the wrong type is a bug in the chapter, never a claim that "does not hold"
+    with pytest.raises(TypeError):
+        claim("x", "measured", "paper", "a gradient sink", "10-100", "none found", Rule.above(1.0, "median R_GS"))
+    gated = claim("y", "measured", "paper", "a gradient sink", "10-100", "none found", Rule.above(1.0),
+                  precondition=(False, "no sink"))                 # a gated claim never runs its rule
+    assert gated.holds == NOT_COMPARABLE
+
+
+def _statistical_claims():
+    from sinkbook.core.claims import Effect, Interest, statistical
+    interest = Interest(2.0, "paper: Table X, +2 pt", "pt")
+    effect = lambda low, high: Effect((low + high) / 2, low, high, 0.95, "exact McNemar, Agresti-Min interval", 100,
+                                      1, "pt")
+    return [statistical("up", "paper", "x goes up", "+2 pt", effect(0.5, 4.0), interest),
+            statistical("maybe", "paper", "y goes up", "+2 pt", effect(-1.0, 3.0), interest),
+            statistical("no", "paper", "z goes up", "+2 pt", effect(-4.0, -1.0), interest)]
+
+
+def test_inconclusive_is_counted_apart_and_numbers_stay_numbers(tmp_path):
+    write_results("demo", {"profile": "quick"}, [*_claims(), *_statistical_claims()], directory=tmp_path)
+    results = load_all_results(tmp_path)
+    doc = results[0]
+    maybe = next(c for c in doc["claims"] if c["id"] == "maybe")
+    assert maybe["holds"] == INCONCLUSIVE and maybe["effect"]["low"] == -1.0 and maybe["interest"]["value"] == 2.0
+    assert isinstance(maybe["effect"]["detectable"], float) and "could detect" in maybe["caveat"]
+    rows = {r["kind"]: r for r in tally(results)}
+    assert (rows["measured"]["holds"], rows["measured"]["does not hold"], rows["measured"][INCONCLUSIVE],
+            rows["measured"][NOT_COMPARABLE]) == (2, 1, 1, 1)
+    assert headline(results).startswith("**Measured on models run here:** 5 claims (2 holds, 1 does not hold, "
+                                        "1 inconclusive, 1 not comparable)")
+    table = claims_markdown(results)
+    assert "| chapter | kind | holds | does not hold | inconclusive | not comparable |" in table
+    assert "| demo | measured | 2 | 1 | 1 | 1 | 0/0 |" in table
+    assert "*inconclusive*" in table and "effect of interest 2 pt (paper: Table X, +2 pt)" in table
+
+
+def test_summary_figure_draws_every_verdict(tmp_path):
+    from sinkbook.book.results import summary_figure
+    write_results("demo", {}, [*_claims(), *_statistical_claims()], directory=tmp_path / "r")
+    path = summary_figure(load_all_results(tmp_path / "r"), tmp_path / "f.svg")
+    assert "inconclusive" in path.read_text()                    # the legend names all four verdicts
+
+
+def test_an_unknown_verdict_in_a_results_file_is_refused():
+    from sinkbook.book.results import outcome
+    with pytest.raises(ValueError, match="unknown verdict"):
+        outcome({"id": "a", "holds": "maybe"})
+
+
+def test_the_inconclusive_box_shows_the_caveat_and_the_effect_of_interest():
+    from sinkbook.book.display import verdict_html
+    up, maybe, _ = _statistical_claims()
+    box = verdict_html(maybe)
+    assert "class='sinkbook-verdict inconclusive'" in box and ">Inconclusive<" in box
+    assert "could detect" in box and "effect of interest <strong>2 pt</strong>" in box and "paper: Table X" in box
+    assert "[-1, +3]" in box                                        # the effect with its interval
+    assert "class='sinkbook-verdict holds'" in verdict_html(up)
+    assert "rgba(" in box and "color:#1" not in box                 # text inherits the theme's colour (dark mode)
+
+
+def test_a_claim_id_in_two_results_files_stops_the_build_in_one_line(tmp_path, monkeypatch):
+    from sinkbook.book import build
+    from sinkbook.book.results import claim_id_clashes
+    c = _claims()[0]
+    write_results("one", {}, [c], directory=tmp_path)
+    write_results("two", {}, [c, _claims()[1]], directory=tmp_path)
+    assert claim_id_clashes(load_all_results(tmp_path)) == {"a": ["one", "two"]}
+    with pytest.raises(SystemExit) as stop:
+        build.check_claim_ids(tmp_path)
+    message = str(stop.value)
+    assert "\n" not in message and "a (one, two)" in message and "b (" not in message
+    assert {p.name for p in tmp_path.glob("*.json")} == {"one.json", "two.json"}      # nothing computed is lost
+    write_results("two", {}, [_claims()[1]], directory=tmp_path)
+    build.check_claim_ids(tmp_path)                                                     # claimed once: passes
+
+    # the build itself runs the check after its chapters and before it stages the book
+    write_results("two", {}, [c], directory=tmp_path)
+    where = {"stage": tmp_path / "stage", "html_parent": tmp_path, "html": tmp_path / "html",
+             "logs": tmp_path / "logs", "results": tmp_path}
+    monkeypatch.setattr(build, "paths", lambda profile: where)
+    monkeypatch.setattr(build, "check_toc", lambda: None)
+    monkeypatch.setattr(build, "execute_chapter", lambda *a, **k: (True, 0.0, ""))
+    monkeypatch.setattr(build, "stage_book", lambda stage: pytest.fail("the book was staged despite the clash"))
+    with pytest.raises(SystemExit, match="a \\(one, two\\)"):
+        build._build("quick", None, "cpu")
+    assert (tmp_path / "one.json").exists() and (tmp_path / "two.json").exists()

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..chapters import CHAPTERS, chapter_names
 from ..core.paths import REPO_ROOT, NotInCheckout, entry_lock, need_checkout
 from ..runs.pool import die_with_parent
-from .results import claims_markdown, load_all_results, summary_figure
+from .results import claim_id_clashes, claims_markdown, load_all_results, summary_figure
 
 PROFILES = ("quick", "default", "gpu")
 # The prose pages around the chapters, in book order: (part caption, [page files]).
@@ -284,6 +284,7 @@ def _build(profile: str, only: list[str] | None, device: str) -> int:
         if not (executed_dir / f"{chapter}.ipynb").exists():
             print(f"[sinkbook] {chapter}: no executed notebook; the book will show a placeholder", flush=True)
             _placeholder(executed_dir / f"{chapter}.ipynb", chapter)
+    check_claim_ids(where["results"])
     stage_book(stage)
     write_generated(stage, where["results"], profile, timings)
     start = time.perf_counter()
@@ -305,6 +306,16 @@ def _build(profile: str, only: list[str] | None, device: str) -> int:
         print(f"[sinkbook] chapter {chapter} failed; its partly executed notebook: "
               f"{executed_dir / (chapter + '.ipynb')}; end of its log:\n{timings[chapter][2]}", file=sys.stderr)
     return 0 if book_ok and not failed else 1
+
+
+def check_claim_ids(results_dir: Path) -> None:
+    """Stop the build, in one line, when a claim id appears in two results files: a number is claimed once and other
+    chapters refer to it. Nothing is deleted: the results files and executed notebooks stay for the next build."""
+    clashes = claim_id_clashes(load_all_results(results_dir))
+    if clashes:
+        raise SystemExit("[sinkbook] build refused: claim id(s) in more than one results file: "
+                         + "; ".join(f"{cid} ({', '.join(chapters)})" for cid, chapters in clashes.items())
+                         + f"; claim each once, in one chapter (results files in {results_dir})")
 
 
 def _placeholder(path: Path, chapter: str) -> None:

@@ -11,11 +11,19 @@ import html
 
 from IPython.display import display
 
-from ..core.claims import NOT_COMPARABLE, Claim, Finding
+from ..core.claims import INCONCLUSIVE, NOT_COMPARABLE, Claim, Finding
 
-_BOX = {True: ("holds", "Holds", "#e8f5e9", "#2e7d32"),
-        False: ("fails", "Does not hold", "#ffebee", "#c62828"),
-        NOT_COMPARABLE: ("not-comparable", "Not comparable", "#f5f5f5", "#757575")}
+# (class, label, colour). Backgrounds are the colour at low opacity and the text inherits the page's, so a box
+# reads the same on a light and on a dark theme; the label colours are mid-tones legible on both.
+_BOX = {True: ("holds", "Holds", "#2e7d32"),
+        False: ("fails", "Does not hold", "#c62828"),
+        INCONCLUSIVE: ("inconclusive", "Inconclusive", "#b26a00"),
+        NOT_COMPARABLE: ("not-comparable", "Not comparable", "#808080")}
+
+
+def _tint(colour: str, alpha: float = 0.12) -> str:
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
 
 
 def plotly_html(fig, div_id: str | None = None) -> str:
@@ -43,20 +51,35 @@ def _value(v) -> str:
     return str(v)
 
 
+def _interest_html(claim: Claim) -> str:
+    """A statistical claim's effect of interest and where it comes from (its effect is shown as ``ours``)."""
+    if not claim.interest:
+        return ""
+    i = claim.interest
+    units = f" {i['units']}" if i.get("units") else ""
+    what = "largest loss that still counts as preserved" if i.get("non_inferiority") else "effect of interest"
+    return (f"<div style='margin-top:2px'>{what} <strong>{i['value']:g}{html.escape(units)}</strong> "
+            f"<span style='opacity:0.75'>({html.escape(i['source'])})</span></div>")
+
+
 def verdict_html(claim: Claim) -> str:
-    """One short highlighted box: the verdict, the statement, ours against the paper's, the rule."""
-    css, label, background, colour = _BOX[claim.holds]
+    """One short highlighted box: the verdict, the statement, ours against the paper's, the rule; for a statistical
+    claim also its effect of interest and its caveat (smaller than the paper's effect, what the sample could
+    detect)."""
+    css, label, colour = _BOX[claim.holds]
     who = " (our question)" if claim.origin == "ours" and not claim.must_hold else ""
     why = (f"<div style='margin-top:2px'><em>{html.escape(claim.why_not_comparable)}</em></div>"
            if claim.holds == NOT_COMPARABLE and claim.why_not_comparable else "")
+    caveat = (f"<div style='margin-top:2px'><em>{html.escape(claim.caveat)}</em></div>"
+              if claim.caveat and claim.holds != NOT_COMPARABLE else "")
     return (f"<div class='sinkbook-verdict {css}' data-claim='{html.escape(claim.id)}' style='border-left:4px solid "
-            f"{colour};background:{background};padding:6px 10px;margin:6px 0;border-radius:3px;font-size:0.92em;"
+            f"{colour};background:{_tint(colour)};padding:6px 10px;margin:6px 0;border-radius:3px;font-size:0.92em;"
             f"overflow-wrap:anywhere;max-width:100%;box-sizing:border-box'>"
             f"<strong style='color:{colour}'>{label}</strong> &middot; {html.escape(claim.statement)}{who}"
             f"<div style='margin-top:2px'>ours <strong>{html.escape(_value(claim.our_value))}</strong> &middot; paper "
-            f"{html.escape(_value(claim.paper_value))} &middot; <span style='color:#555'>rule: "
+            f"{html.escape(_value(claim.paper_value))} &middot; <span style='opacity:0.75'>rule: "
             f"{html.escape(claim.rule)} &middot; {claim.kind} &middot; {html.escape(claim.source)}</span></div>"
-            f"{why}</div>")
+            f"{_interest_html(claim)}{caveat}{why}</div>")
 
 
 def table_html(table, precision: int = 3, index: bool = True) -> str:

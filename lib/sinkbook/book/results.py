@@ -7,7 +7,10 @@ Schema of ``results/<chapter>.json``::
      "claims": [Claim, ...], "extra": {...}}
 
 Claims follow ``sinkbook.core.claims.Claim``; the summary counts them per chapter *and per kind*, so
-measurements on models, recomputations of published tables and checks of mathematics are never added up.
+measurements on models, recomputations of published tables and checks of mathematics are never added up, and
+per verdict: holds, does not hold, inconclusive (a statistical claim whose interval neither lies on the paper's
+side of zero nor excludes the effect of interest) and not comparable. A statistical claim keeps its ``effect``
+and ``interest`` as numbers (book/results_schema.md).
 """
 from __future__ import annotations
 
@@ -18,12 +21,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-from ..core.claims import KINDS, NOT_COMPARABLE, Claim, MustHoldFailed, failed_must_hold
+from ..core.claims import (INCONCLUSIVE, KINDS, NOT_COMPARABLE, VERDICTS, Claim, MustHoldFailed, failed_must_hold,
+                           label)
 from ..core.paths import REPO_ROOT, jsonable, results_dir
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
              "lm-eval", "sinkbook")
-OUTCOMES = ("holds", "does not hold", NOT_COMPARABLE)
+OUTCOMES = VERDICTS          # holds, does not hold, inconclusive, not comparable
 
 
 def package_versions(names: Iterable[str] = _PACKAGES) -> dict[str, str]:
@@ -82,8 +86,21 @@ def load_all_results(directory: str | Path | None = None) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
 
 
+def claim_id_clashes(results: list[dict]) -> dict[str, list[str]]:
+    """Claim ids that appear in more than one results file, each with the chapters that claim it: a number is
+    claimed once, and other chapters refer to it."""
+    where: dict[str, list[str]] = {}
+    for doc in results:
+        for cid in dict.fromkeys(c["id"] for c in doc["claims"]):
+            where.setdefault(cid, []).append(doc["chapter"])
+    return {cid: chapters for cid, chapters in sorted(where.items()) if len(chapters) > 1}
+
+
 def outcome(c: dict) -> str:
-    return {True: "holds", False: "does not hold"}.get(c["holds"], NOT_COMPARABLE)
+    """The printed verdict of a claim as the results file holds it (``holds``: true, false or a verdict word)."""
+    if c["holds"] not in (True, False, INCONCLUSIVE, NOT_COMPARABLE):
+        raise ValueError(f"claim {c.get('id')!r}: unknown verdict {c['holds']!r}")
+    return label(c["holds"])
 
 
 def tally(results: list[dict]) -> list[dict]:
@@ -139,8 +156,8 @@ def claims_markdown(results: list[dict], order: list[str] | None = None, figure:
     out = [headline(results), ""]
     if figure:
         out += [f"![Verdicts by chapter and kind of claim]({figure})", ""]
-    out += ["| chapter | kind | holds | does not hold | not comparable | must-hold checks passed |",
-            "|---|---|---|---|---|---|"]
+    out += ["| chapter | kind | " + " | ".join(OUTCOMES) + " | must-hold checks passed |",
+            "|---|---|" + "---|" * len(OUTCOMES) + "---|"]
     for row in tally(results):
         out.append("| " + " | ".join(_cell(row[k]) for k in ("chapter", "kind", *OUTCOMES, "checks passed")) + " |")
     for doc in results:
@@ -151,12 +168,18 @@ def claims_markdown(results: list[dict], order: list[str] | None = None, figure:
         out += ["", f"### {doc['chapter']}", "", f"Profile `{profile}`; models: {models}.{link}", "",
                 "| claim | kind | source | paper | ours | rule | verdict |", "|---|---|---|---|---|---|---|"]
         for c in doc["claims"]:
-            mark = {True: "holds", False: "**does not hold**"}.get(c["holds"], "not comparable")
+            mark = {"does not hold": "**does not hold**", INCONCLUSIVE: "*inconclusive*"}.get(outcome(c), outcome(c))
             if c.get("must_hold"):
                 mark += " (must hold)"
             source = c["source"] + (" (our question)" if c.get("origin") == "ours" and not c.get("must_hold") else "")
-            cells = [c["statement"], c.get("kind", "?"), source, _fmt(c["paper_value"]), _fmt(c["our_value"]),
-                     c["rule"] + (f"; {c['why_not_comparable']}" if c.get("why_not_comparable") else ""), mark]
+            rule = c["rule"] + (f"; {c['why_not_comparable']}" if c.get("why_not_comparable") else "")
+            if c.get("interest"):
+                i = c["interest"]
+                rule += f"; effect of interest {i['value']:g}{' ' + i['units'] if i.get('units') else ''} ({i['source']})"
+            if c.get("caveat") and outcome(c) != NOT_COMPARABLE:
+                rule += f"; {c['caveat']}"
+            cells = [c["statement"], c.get("kind", "?"), source, _fmt(c["paper_value"]), _fmt(c["our_value"]), rule,
+                     mark]
             out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -170,7 +193,7 @@ def summary_figure(results: list[dict], path: str | Path, order: list[str] | Non
     rank = {name: i for i, name in enumerate(order or [])}
     chapters = sorted({doc["chapter"] for doc in results}, key=lambda c: (rank.get(c, len(rank)), c))
     rows = tally(results)
-    colours = {"holds": "#2e7d32", "does not hold": "#c62828", NOT_COMPARABLE: "#9e9e9e"}
+    colours = {"holds": "#2e7d32", "does not hold": "#c62828", INCONCLUSIVE: "#f0a030", NOT_COMPARABLE: "#9e9e9e"}
     fig, axes = plt.subplots(1, len(KINDS), figsize=(10, 0.45 * max(3, len(chapters)) + 1.2), sharey=True)
     for ax, kind in zip(axes, KINDS):
         left = [0] * len(chapters)

@@ -178,10 +178,9 @@ def claim(id: str, kind: str, source: str, statement: str, paper_value, our_valu
     if precondition is not None and not precondition[0]:
         return Claim(id, kind, source, statement, paper_value, our_value, rule.text, NOT_COMPARABLE,
                      must_hold=False, origin=origin, why_not_comparable=precondition[1])
-    try:
-        holds = rule(tested)
-    except TypeError:
-        holds = False
+    # A rule that raises is a bug in the chapter (a value of the wrong type, a missing gate): it propagates, so
+    # the build stops instead of printing "does not hold" for a claim that was never tested.
+    holds = rule(tested)
     if isinstance(tested, float) and not math.isfinite(tested):
         holds = False
     return Claim(id, kind, source, statement, paper_value, our_value, rule.text, holds, must_hold=must_hold,
@@ -320,6 +319,25 @@ class Finding:
     def text(self) -> str:
         """Plain-text rendering for a terminal: notes then verdicts."""
         return "\n".join([*self.notes, *self.verdicts])
+
+
+_PAIRED = re.compile(r"mcnemar|bootstrap|paired test|\bp ?= ?\d", re.IGNORECASE)
+
+
+def missing_effects(claims) -> list[Claim]:
+    """Claims decided by a paired comparison that carry no effect or no effect of interest: a measured claim whose
+    rule or shown value names a paired test (McNemar, bootstrap, a p-value) without the ``effect`` and
+    ``interest`` a statistical claim must carry. Chapter tests assert this is empty on inputs that open every
+    gate."""
+    out = []
+    for c in claims:
+        shows_test = c.kind == "measured" and bool(_PAIRED.search(f"{c.rule} {c.our_value}"))
+        if (shows_test or c.effect is not None) and (c.effect is None or c.interest is None) \
+                and c.holds != NOT_COMPARABLE:
+            out.append(c)
+        elif c.holds == NOT_COMPARABLE and shows_test and c.interest is None:
+            out.append(c)
+    return out
 
 
 def failed_must_hold(claims) -> list[Claim]:

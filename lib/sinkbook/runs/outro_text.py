@@ -305,17 +305,19 @@ class OutRoTextRuns:
         return {"baseline": self.losses(spec, "sweep")[0], "sweep": sweep, "rotated": rotated}
 
     def head_ablation(self, spec: str, n_heads: int) -> dict:
-        """Sweep-window loss with each of the ``n_heads`` heads of highest sink score zeroed, against none zeroed."""
-        base = float(np.mean(self.losses(spec, "sweep")[0]))
+        """Sweep-window loss with each of the ``n_heads`` heads of highest sink score zeroed, against none zeroed;
+        per-window losses too, so the chapter can pair the windows."""
+        windows = [float(x) for x in self.losses(spec, "sweep")[0]]
+        base = float(np.mean(windows))
         rows = []
         points = self.head_points(spec)
         if points is not None:
             top = points["heads"].sort_values("sink_score", ascending=False).head(n_heads)
             for h in top.itertuples():
-                loss = float(np.mean(self.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]))
+                ablated = [float(x) for x in self.losses(spec, "sweep", ablate=(int(h.layer), int(h.head)))[0]]
                 rows.append({"head": f"L{int(h.layer)}H{int(h.head)}", "sink_score": h.sink_score,
-                             "delta": loss - base})
-        return {"baseline_loss": base, "rows": rows}
+                             "delta": float(np.mean(ablated)) - base, "windows": ablated})
+        return {"baseline_loss": base, "baseline_windows": windows, "rows": rows}
 
     def direction_losses(self, spec: str, gamma: float) -> dict:
         """Sweep-window losses rotating toward the sink value (from the sweep), a random token's value, the head mean."""
