@@ -26,8 +26,9 @@ RUNS = {
 def test_chapter_notebook_runs_on_a_tiny_model(chapter, tmp_path):
     parameters = {"profile": "quick", **RUNS[chapter]}
     env = {**os.environ, "SINKBOOK_RESULTS_DIR": str(tmp_path), "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-m", "papermill", str(REPO_ROOT / "notebooks" / f"{chapter}.ipynb"),
-                           str(tmp_path / "out.ipynb"), "--cwd", str(REPO_ROOT), "-k", "python3", "--no-progress-bar",
+    notebook = REPO_ROOT / "notebooks" / f"{chapter}.ipynb"
+    done = subprocess.run([sys.executable, "-m", "sinkbook.book.papermill_ipc", str(notebook), str(tmp_path / "out.ipynb"),
+                           "--cwd", str(REPO_ROOT), "-k", "python3", "--no-progress-bar",
                            "-y", json.dumps(parameters)], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in (tmp_path / "out.ipynb").read_text()

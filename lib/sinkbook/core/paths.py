@@ -75,15 +75,53 @@ def jsonable(x, strict: bool = True):
     return x
 
 
+def staging(path: str | Path) -> Path:
+    """Where to write ``path`` before publishing it with ``os.replace`` (or a directory's rename): a sibling named
+    by this process, so two writers never share a temporary file and a reader never sees half of one."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
 def write_json(path: str | Path, doc, strict: bool = True) -> Path:
     """Write atomically (a crash never leaves half a file); ``strict=False`` keeps NaN as a number."""
     import json
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")       # two writers never share a temporary file
+    tmp = staging(path)
     tmp.write_text(json.dumps(jsonable(doc, strict), indent=1))
+    kill_point("cache-write")
     tmp.replace(path)
     return path
+
+
+_visits: dict[str, int] = {}
+
+
+def kill_point(name: str) -> None:
+    """Fault injection for the fault suite (tests/test_kill_points.py), inert unless ``$SINKBOOK_KILL_AT`` is set.
+    ``SINKBOOK_KILL_AT=<name>[:<n>]`` makes the n-th visit (default the first) of this process to point ``name``
+    ("train": after an optimizer step, "evaluate" / "evaluate-adapted": inside the evaluation of an unadapted /
+    adapted model, "save": a trained run's weights written but not its run.json, "cache-write": a record written but
+    not yet renamed into place) SIGKILL the process
+    ``$SINKBOOK_KILL_PID`` (default this one): the build or command a user would kill. A pool worker that kills
+    its parent then waits for the kernel to end it too (``runs.pool.die_with_parent``); if that never came, the
+    test that set the variable finds the worker still running."""
+    wanted = os.environ.get("SINKBOOK_KILL_AT")
+    if not wanted:
+        return
+    point, _, nth = wanted.partition(":")
+    if point != name:
+        return
+    _visits[name] = _visits.get(name, 0) + 1
+    if _visits[name] != int(nth or 1):
+        return
+    import signal
+    import time
+    target = int(os.environ.get("SINKBOOK_KILL_PID", os.getpid()))
+    os.kill(target, signal.SIGKILL)
+    if target != os.getpid():
+        time.sleep(60)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager

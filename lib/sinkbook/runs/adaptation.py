@@ -21,7 +21,7 @@ import torch
 from ..core.arch import arch_for
 from ..core.claims import slug
 from ..core.models import encode, load_model, resolve_device
-from ..core.paths import cache_key, cache_root, entry_lock, write_json
+from ..core.paths import cache_key, cache_root, entry_lock, kill_point, write_json
 from ..core.profiles import Profiles
 from ..core.prompts import prompt_texts
 from ..interventions.merging import merge_models
@@ -199,6 +199,7 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
     ifeval = spec["ifeval"] if (chat or spec["ifeval_base_models"]) else 0
     suite = run_suite(loaded, arithmetic=spec["arithmetic"], knowledge=spec["knowledge"], ifeval=ifeval,
                       ifeval_tokens=spec["ifeval_tokens"])
+    kill_point("evaluate-adapted" if vlm is not None else "evaluate")
     windows = heldout_text_windows(loaded.tokenizer, spec["heldout_windows"], 128)[0]
     out = {"tasks": {name: r.to_dict() for name, r in suite.items()},
            "heldout_loss": heldout_loss(loaded, windows).per_window}
@@ -220,7 +221,11 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
     if vlm is not None and modality == "vision":
         examples = held_out_vision_examples(spec["vision"], tasks=tasks or TASKS)
         out["vision"] = vision_scores(vlm, loaded.tokenizer, examples, fmt)
-    out["model"] = {"spec": loaded.spec, "record": loaded.record(), "qk_norm": arch_for(loaded.model).qk_norm}
+    # An adapted model is recorded by the model it was adapted from (spec, file hashes); the run's own folder is
+    # the record's "directory". The model in hand cannot say: trained in this process it still carries its base's
+    # spec, read back from the cache it carries the cache folder's, and the same run must give the same record.
+    source = reference if (vlm is not None and reference is not None) else loaded
+    out["model"] = {"spec": source.spec, "record": source.record(), "qk_norm": arch_for(loaded.model).qk_norm}
     out["seconds"] = time.perf_counter() - start
     return out
 

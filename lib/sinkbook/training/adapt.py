@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..core.models import load_model, resolve_device
-from ..core.paths import cache_key, cache_root
+from ..core.paths import cache_key, cache_root, entry_lock, kill_point, staging
 from .digits import TASKS, load_digit_splits, make_examples
 from .loop import Every, fit, report_version_drift, trained_with, warmup_cosine
 from .remedies import INTERVENTIONS, RecipeChange
@@ -130,16 +130,18 @@ def vision_encoder(device: str = "cpu"):
     path = cache_root() / "vision" / f"digit-encoder-w{ENCODER_WIDTH}-e{ENCODER_EPOCHS}-s{ENCODER_SEED}.pt"
     from .vlm import DigitEncoder
     encoder = DigitEncoder(ENCODER_WIDTH)
-    if path.exists():
-        encoder.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return encoder.eval().requires_grad_(False).to(device)
-    log.info("training the digit encoder once (%d epochs, about 40 s on a CPU); later runs read %s", ENCODER_EPOCHS, path)
-    train, _ = load_digit_splits()
-    encoder = train_encoder(train.images, train.labels, ENCODER_SEED, ENCODER_EPOCHS, ENCODER_WIDTH)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(encoder.state_dict(), path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
-    return encoder.to(device)
+    if not path.exists():
+        # Pool workers that start together train it once: the others wait here, then read it.
+        with entry_lock(path, "the digit encoder"):
+            if not path.exists():
+                log.info("training the digit encoder once (%d epochs, about 40 s on a CPU); later runs read %s",
+                         ENCODER_EPOCHS, path)
+                train, _ = load_digit_splits()
+                trained = train_encoder(train.images, train.labels, ENCODER_SEED, ENCODER_EPOCHS, ENCODER_WIDTH)
+                torch.save(trained.state_dict(), staging(path))
+                staging(path).replace(path)
+    encoder.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return encoder.eval().requires_grad_(False).to(device)
 
 
 def _batch_maker(cfg: AdaptConfig, tokenizer, fmt: PromptFormat, modality: str, stage: int, accelerator):
@@ -254,6 +256,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
               "seconds": seconds, **trained_with(), "processes": accelerator.num_processes}
     if accelerator.is_main_process:
         save_vlm(vlm, loaded.tokenizer, directory / "model", fmt, {"config": cfg.record(), "intervention": intervention})
+        kill_point("save")
         (directory / "run.json.tmp").write_text(json.dumps(record, indent=1, default=float))
         (directory / "run.json.tmp").replace(directory / "run.json")
     accelerator.wait_for_everyone()

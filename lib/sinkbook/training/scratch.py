@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..core.models import resolve_device
-from ..core.paths import cache_key, cache_root
+from ..core.paths import cache_key, cache_root, staging
 from ..interventions.vscale import apply_vscale
 from .corpus import Corpus, sample_batch, validation_batches
 from .loop import Checkpoint, Every, decay_groups, fit, report_version_drift, trained_with, warmup_cosine
@@ -210,7 +210,7 @@ def train(cfg: TrainConfig, corpus: Corpus, device: str = "auto", use_cache: boo
         out = run_dir(cfg, root)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "final.pt"
-        tmp = out / "final.pt.tmp"
+        tmp = staging(path)
         torch.save({"config": cfg.record(), "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(), "history": result.history, "evals": evals,
                     "train_seconds": result.seconds, **trained_with()}, tmp)
