@@ -442,8 +442,8 @@ def task_choice_finding(base: dict, runs: dict, starts: dict, models: list) -> F
     tasks = [FORMAT_TASK, *OTHER_TASKS]
     verdicts: dict[str, dict] = {}
     for task in tasks:
-        scored = [m for m in models if m in base and base[m].get("tasks", {}).get(task)
-                  and all(task in runs[k].get("tasks", {}) for k in runs if k[0] == m)]
+        scored = [m for m in models if m in base and items(base[m], task) is not None
+                  and all(items(runs[k], task) is not None for k in runs if k[0] == m)]
         if not scored:
             continue
         for f in (protection_finding(base, runs, scored, task), fixed_norm_finding(base, runs, starts, scored, task),
