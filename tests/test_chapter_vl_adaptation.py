@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sinkbook.core.claims import NOT_COMPARABLE
+from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE
 from sinkbook.chapters import vl_adaptation as vl
 from sinkbook.runs.adaptation_records import probe_metric
 
@@ -80,6 +80,9 @@ def test_paper_like_world_holds_everywhere():
 
 def test_opposite_world_does_not_hold():
     base, runs = _world(vision_hurts=False, s_fall=(1.5, 1.6, 1.7, 1.8), vision_arith=(0.6, 0.6, 0.6, 0.6))
+    for key in runs:
+        if key[1] == "text":
+            runs[key]["sink"]["S"] = 1.4          # the text-only run lets S fall: it does not preserve the sink
     cap = _by_id(vl.capability_finding(base, runs, [M]))
     assert cap["vl_lowers_ifeval"].holds is False
     # with no vision loss there is nothing for the text-only run to lose less of
@@ -118,12 +121,84 @@ def test_theorem1_forms():
         runs[key]["theorem1"]["share_within"] = 0.97
     assert _by_id(vl.theorem1_finding(runs, [M]))["theorem1_eq4_holds"].holds is False   # a failed must-hold check
     for key in runs:
-        runs[key]["theorem1"] = {**runs[key]["theorem1"], "form": "eq5", "share_within": 1.0}
+        runs[key]["theorem1"] = {**runs[key]["theorem1"], "form": "eq5", "share_within": 1.0,
+                                 "max_relative_change": 0.01}
     eq5 = _by_id(vl.theorem1_finding(runs, [M]))["theorem1_eq5_holds"]
-    assert eq5.holds is True and not eq5.must_hold and "c = 2 is ours" in eq5.source
+    assert eq5.holds is True and not eq5.must_hold and "c = 2 is ours" in eq5.source and eq5.origin == "ours"
+    # outside the first-order regime the theorem assumes, or with no way to tell, the bound is not comparable
+    for change, why in ((0.5, "first-order regime"), (None, "cannot be checked")):
+        for key in runs:
+            runs[key]["theorem1"]["max_relative_change"] = change
+            if change is None:
+                del runs[key]["theorem1"]["max_relative_change"]
+        eq5 = _by_id(vl.theorem1_finding(runs, [M]))["theorem1_eq5_holds"]
+        assert eq5.holds == NOT_COMPARABLE and why in eq5.why_not_comparable
     for key in runs:
         runs[key]["theorem1"] = {**runs[key]["theorem1"], "form": None, "share_within": float("nan")}
     assert _by_id(vl.theorem1_finding(runs, [M]))["theorem1_holds"].holds == NOT_COMPARABLE
+
+
+STATISTICAL = ("vl_lowers_ifeval", "vl_lowers_arithmetic", "text_only_loses_less_", "vl_preserves_",
+               "erosion_tracks_loss_")
+
+
+def _every_statistical_claim_has_effect_and_interest(claims, seeds):
+    stat = [c for c in claims if c.id.startswith(STATISTICAL)]
+    for c in stat:
+        assert c.interest and c.interest["source"].split(":")[0] in ("paper", "ours"), c.id
+        assert c.interest["source"].startswith("ours") or c.origin == "paper", c.id
+        if c.holds != NOT_COMPARABLE or c.effect is not None:
+            assert c.effect and c.effect["low"] <= c.effect["high"], c.id
+            assert c.effect["seeds"] == seeds, c.id        # the real number of seeds, not a default
+    return stat
+
+
+def test_every_statistical_claim_carries_its_effect_and_interest():
+    base, runs = _world()
+    claims = [*vl.capability_finding(base, runs, [M]).claims, *vl.dose_finding(base, runs, [M], resamples=200).claims]
+    stat = _every_statistical_claim_has_effect_and_interest(claims, seeds=2)
+    assert {c.id for c in stat} >= {"vl_lowers_ifeval_model_a", "text_only_loses_less_ifeval_model_a",
+                                    "vl_preserves_knowledge_mc_model_a", "erosion_tracks_loss_model_a"}
+    lowers = _by_id(vl.capability_finding(base, runs, [M]))["vl_lowers_ifeval"]
+    assert lowers.effect["estimate"] > 0                  # a loss is the paper's direction: positive
+    assert lowers.interest["value"] == vl.LOSS_OF_INTEREST["ifeval"].value
+    one_seed = {k: v for k, v in runs.items() if k[2] == 0}
+    _every_statistical_claim_has_effect_and_interest(vl.capability_finding(base, one_seed, [M]).claims, seeds=1)
+
+
+def test_a_sample_too_small_to_see_the_papers_loss_is_inconclusive():
+    base, runs = _world()
+    # 20 items, 2 lost and 1 gained: the interval spans both 0 and the paper's smallest IFEval loss
+    base[M]["tasks"]["ifeval"] = _task("ifeval", "format", [1] * 10 + [0] * 10)
+    for key in runs:
+        runs[key]["tasks"]["ifeval"] = _task("ifeval", "format", [0, 0] + [1] * 8 + [1] + [0] * 9)
+    c = _by_id(vl.capability_finding(base, runs, [M]))["vl_lowers_ifeval"]
+    assert c.holds == INCONCLUSIVE and "could detect" in c.caveat
+
+
+def test_preserved_is_non_inferiority_against_the_papers_margin():
+    base, runs = _world()
+    # a 1-item drop out of 60 (1.7 pt): within 2.3 pt, but the interval reaches below it -> inconclusive, not "holds"
+    for key in runs:
+        if key[1] == "vision":
+            runs[key]["tasks"]["knowledge_mc"] = _task("knowledge_mc", "knowledge", [1] * 39 + [0] * 21, 0.25)
+    c = _by_id(vl.capability_finding(base, runs, [M]))["vl_preserves_knowledge_mc"]
+    assert c.interest["non_inferiority"] and c.interest["value"] == 2.3
+    assert c.holds == INCONCLUSIVE and c.effect["low"] < -2.3 < c.effect["high"]
+
+
+def test_text_only_must_keep_s_not_only_lose_less_than_vision():
+    base, runs = _world()
+    for key in runs:
+        if key[1] == "text":
+            runs[key]["sink"]["S"] = 1.45         # falls, though less than the vision run's 1.0
+    assert _by_id(vl.erosion_finding(base, runs, [M]))["text_keeps_s"].holds is False
+
+
+def test_b_gap_comparison_is_ours():
+    base, runs = _world()
+    c = _by_id(vl.erosion_finding(base, runs, [M]))["vl_larger_b_gap"]
+    assert c.origin == "ours" and c.holds is True
 
 
 def test_dose_response_reads_erosion_against_loss():
@@ -183,7 +258,8 @@ def test_the_chapter_runs_on_tiny_models_of_every_family(family, private_cache):
                                    workers=1)
     chapter = vl.VLAdaptationChapter(settings)
     results = chapter.results()
-    assert results["claims"] and {c.holds for c in results["claims"]} <= {True, False, NOT_COMPARABLE}
+    assert results["claims"] and {c.holds for c in results["claims"]} <= {True, False, INCONCLUSIVE, NOT_COMPARABLE}
+    _every_statistical_claim_has_effect_and_interest(results["claims"], seeds=1)
     t1 = [c for c in results["claims"] if c.id.startswith("theorem1")]
     assert t1 and all(c.holds in (True, NOT_COMPARABLE) for c in t1)   # the inequality never fails
     assert Path(results["extra"]["runs"][f"tiny-{family}|vision|0"]["directory"]).is_dir()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sinkbook.chapters import vl_protection as vp
-from sinkbook.core.claims import NOT_COMPARABLE
+from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE
 
 M = "model-a"
 TASK = vp.FORMAT_TASK
@@ -30,11 +30,11 @@ def _doc(correct, image_correct=50, s_path=(1.5, 1.4, 1.3, 1.2), margin=1.0, n=6
     return doc
 
 
-def _base(correct=45, qk_norm="none"):
+def _base(correct=45, qk_norm="none", s=1.0):
     return {M: {"tasks": {TASK: _task(TASK, [1] * correct + [0] * (60 - correct)),
                           "arithmetic_strict": _task("arithmetic_strict", [0] * 60),
                           "knowledge_mc": _task("knowledge_mc", [1] * 40 + [0] * 20, 0.25)},
-                "sink": {"S": 1.5}, "model": {"qk_norm": qk_norm, "record": {"spec": M}}}}
+                "sink": {"S": s}, "model": {"qk_norm": qk_norm, "record": {"spec": M}}}}
 
 
 PROTECTED = {"protection": "layers below 2 frozen; 3 sink heads projected", "first_sink_layer": 2,
@@ -57,14 +57,22 @@ def test_protection_that_keeps_text_at_equal_image_accuracy_holds():
     runs = _world("protection", 40, margin=1.5, intervention=PROTECTED)
     claims = _by_id(vp.protection_finding(_base(), runs, [M]))
     assert claims["protection_keeps_text"].holds is True and claims["protection_keeps_text"].origin == "ours"
+    assert claims["protection_keeps_images"].holds is True
     assert claims["protection_keeps_margin"].holds is True
 
 
 def test_protection_that_keeps_text_by_not_learning_images_does_not_hold():
-    runs = _world("protection", 40, image_correct=25, margin=0.2, intervention=PROTECTED)
+    runs = _world("protection", 40, image_correct=35, margin=0.2, intervention=PROTECTED)
     claims = _by_id(vp.protection_finding(_base(), runs, [M]))
-    assert claims["protection_keeps_text"].holds is False
+    assert claims["protection_keeps_text"].holds is True
+    assert claims["protection_keeps_images"].holds is False        # 25 pt fewer images: not at equal accuracy
     assert claims["protection_keeps_margin"].holds is False
+
+
+def test_protection_keeps_margin_waits_for_both_arms_to_learn_the_images():
+    runs = _world("protection", 40, image_correct=5, margin=1.5, intervention=PROTECTED)
+    margin = _by_id(vp.protection_finding(_base(), runs, [M]))["protection_keeps_margin"]
+    assert margin.holds == NOT_COMPARABLE and "did not learn" in margin.why_not_comparable
 
 
 def test_protection_is_not_comparable_without_a_loss_or_without_a_sink():
@@ -96,6 +104,14 @@ def test_fixed_norm_counts_its_loss_from_its_own_start():
     assert claims["fixed_norm_loses_more"].holds == NOT_COMPARABLE
 
 
+def test_fixed_norm_needs_a_per_head_norm_to_fix():
+    runs = _world("fix_qk_norm", 2)
+    start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
+    for qk in ("none", "layerwise"):
+        claims = _by_id(vp.fixed_norm_finding(_base(qk_norm=qk), runs, {(M, "fix_qk_norm"): start}, [M]))
+        assert all(c.holds == NOT_COMPARABLE and "per-head" in c.why_not_comparable for c in claims.values())
+
+
 def test_fixed_norm_that_collapses_holds():
     runs = _world("fix_qk_norm", 2)
     start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
@@ -106,9 +122,11 @@ def test_fixed_norm_that_collapses_holds():
 def test_injection_lags_only_when_below_at_every_probe_and_at_the_end():
     base = _base()
     lagging = _world("inject_qk_norm", 5)
-    assert _by_id(vp.injection_finding(base, lagging, [M]))["injection_lags_vanilla"].holds is True
+    claims = _by_id(vp.injection_finding(base, lagging, [M]))
+    assert claims["injection_lags_vanilla"].holds is True and claims["injection_below_throughout"].holds is True
     ahead = _world("inject_qk_norm", 35)
-    assert _by_id(vp.injection_finding(base, ahead, [M]))["injection_lags_vanilla"].holds is False
+    claims = _by_id(vp.injection_finding(base, ahead, [M]))
+    assert claims["injection_lags_vanilla"].holds is False and claims["injection_below_throughout"].holds is False
     with_norm = _base(qk_norm="per-head")
     assert _by_id(vp.injection_finding(with_norm, lagging, [M]))["injection_lags_vanilla"].holds == NOT_COMPARABLE
     blind = {k: {**v, "vision": {**v["vision"], "per_item": [0] * 60, "accuracy": 0.0}} for k, v in lagging.items()}
@@ -126,20 +144,64 @@ def _merges(scores: dict):
 def test_the_papers_merge_pattern_holds_where_it_is_reproduced():
     runs = _merges({"mix_95_5": 20, "uniform": 24, "task_arithmetic": 20, "ties": 8, "dare": 5})
     claims = _by_id(vp.merging_finding(_base(), runs, [M]))
-    assert claims["mild_merges_no_extra_damage"].holds is True
+    assert claims["mild_merge_no_extra_damage_mix_95_5"].holds is True
+    assert claims["mild_merge_no_extra_damage_uniform"].holds is True
     assert claims["sparsified_merges_worst"].holds is True
-    assert claims["merging_does_not_recover"].holds is True
+    assert all(claims[f"merge_does_not_recover_{m}"].holds is True for m in ("mix_95_5", "uniform", "ties", "dare"))
     assert claims["full_strength_drops"].holds == NOT_COMPARABLE          # task arithmetic returns the adapted model
     without = _by_id(vp.merging_finding(_base(), _merges({"uniform": 24, "ties": 8}), [M]))["full_strength_drops"]
     assert without.holds == NOT_COMPARABLE and "not run" in without.our_value
 
 
 def test_a_merge_that_recovers_breaks_the_papers_pattern():
-    runs = _merges({"mix_95_5": 8, "uniform": 44, "ties": 30, "dare": 30})
+    runs = _merges({"mix_95_5": 8, "uniform": 45, "ties": 30, "dare": 30})
     claims = _by_id(vp.merging_finding(_base(), runs, [M]))
-    assert claims["merging_does_not_recover"].holds is False
-    assert claims["mild_merges_no_extra_damage"].holds is False
+    assert claims["merge_does_not_recover_uniform"].holds is False        # back at the unadapted score
+    assert claims["merge_does_not_recover_ties"].holds is True
+    assert claims["mild_merge_no_extra_damage_mix_95_5"].holds is False   # 20 pt below the adapted model
     assert claims["sparsified_merges_worst"].holds is False
+
+
+def test_merge_claims_are_about_the_low_s_side():
+    runs = _merges({"mix_95_5": 20, "uniform": 24, "ties": 8, "dare": 5})
+    claims = _by_id(vp.merging_finding(_base(s=2.0), runs, [M]))
+    gated = [c for i, c in claims.items() if i.startswith(("mild_merge", "merge_does_not"))]
+    assert gated and all(c.holds == NOT_COMPARABLE and "low-S" in c.why_not_comparable for c in gated)
+    assert claims["sparsified_merges_worst"].holds is True      # "across both pairs": no S gate
+
+
+def test_every_statistical_claim_carries_its_effect_and_interest():
+    runs = {**_world("protection", 40, margin=1.5, intervention=PROTECTED), **_world("inject_qk_norm", 5),
+            **_world("fix_qk_norm", 2)}
+    for key, doc in _merges({"mix_95_5": 20, "uniform": 24, "ties": 8, "dare": 5}).items():
+        if key[1].startswith("merge:"):
+            runs[key] = doc
+            runs[(M, key[1], 1)] = doc
+    starts = {(M, "fix_qk_norm"): {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}}
+    claims = [*vp.protection_finding(_base(), runs, [M]).claims, *vp.injection_finding(_base(), runs, [M]).claims,
+              *vp.fixed_norm_finding(_base(qk_norm="per-head"), runs, starts, [M]).claims,
+              *vp.merging_finding(_base(), runs, [M]).claims]
+    stat = [c for c in claims if c.id.startswith(("protection_keeps_text", "protection_keeps_images",
+                                                  "fixed_norm_loses_more", "injection_lags", "mild_merge_",
+                                                  "merge_does_not_recover"))]
+    assert len(stat) == 10
+    for c in stat:
+        assert c.effect and c.interest and c.effect["seeds"] == 2, c.id
+        assert c.interest["source"].startswith(("paper:", "ours:")), c.id
+        assert c.holds in (True, False, INCONCLUSIVE), c.id
+
+
+def test_task_choice_reports_each_verdict_on_every_scored_task():
+    runs = _world("protection", 40, margin=1.5, intervention=PROTECTED)
+    base = _base()
+    base[M]["tasks"]["arithmetic_strict"] = _task("arithmetic_strict", [1] * 30 + [0] * 30)
+    for key, doc in runs.items():        # strict: the protection keeps nothing more than plain VL
+        doc["tasks"]["arithmetic_strict"] = _task("arithmetic_strict", [1] * 10 + [0] * 50)
+    f = vp.task_choice_finding(base, runs, {}, [M])
+    assert list(f.table.columns) == [TASK, "arithmetic_strict"]
+    row = f.table.loc["protection_keeps_text_model_a"]
+    assert row[TASK].startswith("holds") and row["arithmetic_strict"].startswith("does not hold")
+    assert "protection_keeps_text_model_a" in f.notes[-1]
 
 
 def test_capability_and_tradeoff_tables_cover_every_arm():

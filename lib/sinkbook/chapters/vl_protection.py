@@ -8,10 +8,11 @@ adapted language model with its base (the paper's second negative control). Plai
 chapter's own (same configuration, same cache), so each intervention has a matched control with the same seeds,
 data order and evaluation items.
 
-Text capability is measured on the adaptation chapter's suite without IFEval-style compliance: plain vision
-training did not lower it significantly on SmolLM2 and Gemma 3 is a base model, so it cannot show a protection
-and would cost a third of every evaluation. The format-sensitive task each claim reads is the one with headroom
-on which plain adaptation hurts (``FORMAT_TASK``).
+Text capability is measured on the adaptation chapter's suite without IFEval-style compliance (Gemma 3 is a base
+model, which IFEval's chat protocol does not fit, and it would cost a third of every evaluation). The
+format-sensitive task every claim reads (``FORMAT_TASK``) is fixed by the paper's grading, not by our data: its
+arithmetic task, GSM8K-CoT, is read with flexible-extract (Table 3, Table 6), which our flexibly parsed arithmetic
+reproduces. ``task_choice_finding`` reports how each verdict moves when another task is read instead.
 """
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import time
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.claims import Finding, Interest, Rule, check, claim, label, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
-from ..measures.stats import paired_bootstrap
+from ..measures.stats import paired_bootstrap, paired_effect
 from ..runs import adaptation as jobs
 from ..runs.adaptation_records import (arm_items, arm_vision_items, has_headroom, interval_pt, items, probe_change,
                                       probe_metric, seeds_of, vision_learned)
@@ -35,7 +36,11 @@ from .base import Chapter, all_of, finding
 NAME = "vl_protection"
 SOURCE = "VL paper"
 ALPHA = 0.05                             # every paired test of the chapter
-FORMAT_TASK = "arithmetic_flexible"      # headroom on both unadapted models; plain VL lowers it on both
+# The paper's arithmetic format-sensitive task is GSM8K-CoT graded by flexible-extract (Table 3 "GSM8K-CoT (flex)",
+# Table 6 caption); our flexibly parsed arithmetic is that grading. Fixed on this reading, not on which task plain
+# VL lowers; the other tasks' verdicts are reported beside it (task_choice_finding).
+FORMAT_TASK = "arithmetic_flexible"
+OTHER_TASKS = ("arithmetic_strict", "ifeval")
 TEXT_TASKS = (FORMAT_TASK, "knowledge_mc")
 PLAIN = "none"
 MERGES = ("mix_95_5", "uniform", "task_arithmetic", "ties", "dare")
@@ -64,21 +69,41 @@ PROFILES = Profiles({
 }, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE))
 
 # ---- rules, each written once ----------------------------------------------------------------------------------
-KEEPS_MORE = Rule.true(f"paired test (items, seed means) of the intervention against plain VL training says it "
-                       f"scores higher on {FORMAT_TASK} (alpha {ALPHA}), and its image accuracy is not lower by "
-                       f"the same test")
+# Statistical claims are decided by ``claims.decide`` against the effect of interest written beside them (before any
+# run was read); the effects are paired over items, per-item scores averaged over the seeds first.
+SMALLEST_LOSS_PT = 1.5      # the paper's smallest format-sensitive loss of any pair: GSM8K-CoT, InternVL3.5 (Table 6)
+TEXT_KEPT_OF_INTEREST = Interest(SMALLEST_LOSS_PT, "ours: a protection worth less than the smallest format-sensitive "
+                                                   "loss the paper reports for any pair (Table 6, 1.5 pt) would not "
+                                                   "matter", "pt")
+# "At equal image accuracy" as non-inferiority: the paper's matched vision run gains 4.7 pt SEEDBench over its
+# whole training (Table 14, 60.1 -> 64.8); a remedy costing more image accuracy than that undoes the adaptation.
+IMAGES_MARGIN = Interest(4.7, "ours: the whole vision gain of the paper's matched run (Table 14, SEEDBench 60.1 -> "
+                              "64.8) as the largest image-accuracy cost that still counts as equal", "pt",
+                         non_inferiority=True)
 MARGIN_KEPT = Rule.true("final median G_base - B_gap larger than plain VL's, in every seed")
-LOSES_MORE = Rule.true(f"the per-item change from its own start (fixed norm: the fixed-scale model before training) "
-                       f"is lower than the native model's change from the unadapted model (paired test, alpha {ALPHA})")
+# Preserved-sink backbones stay within 5.4 pt of their reference, collapsed-sink ones lose at least 7.9 pt (VL paper,
+# Sec. 1): the smallest extra loss that moves a backbone from one regime to the other is 2.5 pt.
+EXTRA_LOSS_OF_INTEREST = Interest(2.5, "ours: the step between the paper's preserved-sink (within 5.4 pt) and "
+                                       "collapsed-sink (at least 7.9 pt) backbones, Sec. 1", "pt")
 ERODES_MORE = Rule.true("S changes less upward, or falls more, from the first to the last probe than with the native "
                         "norm, in every seed")
-LAGS = Rule.true(f"below plain VL at every probe after the start (seed means) and lower at the end by a paired "
-                 f"test (alpha {ALPHA})")
-NO_EXTRA_DAMAGE = Rule.true(f"each mild merge: a paired test against the adapted model does not say 'hurts' (alpha {ALPHA})")
+BELOW_THROUGHOUT = Rule.true("below plain VL at every probe after the start (seed means)")
+LAG_OF_INTEREST = Interest(SMALLEST_LOSS_PT, "ours: the paper's injected run lags by tens of points (App. F.3, Fig. 6: "
+                                             "IFEval 11 against a 59.9 base) at 3B; at our scale, a lag below the "
+                                             "smallest loss the paper counts for any pair (Table 6, 1.5 pt) would not "
+                                             "be it", "pt")
+# "Avoid substantial additional degradation" gives no number; ours: the largest drop the paper calls preserved
+# elsewhere (App. C.1, 2.3 pt), as a non-inferiority margin.
+NO_EXTRA_DAMAGE_MARGIN = Interest(2.3, "ours: 'substantial' has no number in the paper; the largest drop it calls "
+                                       "preserved (App. C.1, 2.3 pt)", "pt", non_inferiority=True)
+NOT_RECOVERED_OF_INTEREST = Interest(SMALLEST_LOSS_PT, "ours: a remaining loss below the smallest one the paper counts "
+                                                       "for any pair (Table 6, 1.5 pt) would be a recovery", "pt")
+# The paper's merge claims are about "the low-S side" (Sec. 5): its higher-loss pairs have S in [1.18, 1.44], its
+# lower-loss ones S = 2.36 (Sec. 3.2). A model above 1.44 is on neither side the paper observed.
+LOW_S = Rule.at_most(1.44, "S of the unadapted model")
 TENS_OF_POINTS = Rule.at_least(10.0, "drop below the adapted model (pt)")
 SPARSE_WORST = Rule.true("the two sparsified merges (TIES, DARE) score below every other merge")
 UNCHANGED = Rule.at_most(0, "items (over seeds and text tasks) whose outcome differs from the unadapted model's")
-NOT_RECOVERED = Rule.true(f"every merge still scores below the unadapted model by a paired test (alpha {ALPHA})")
 
 
 # ---- finding functions ------------------------------------------------------------------------------------------
@@ -111,6 +136,19 @@ def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) ->
     if paired_bootstrap(items(base[model], task), arm_items(runs, model, PLAIN, task), ALPHA).outcome != "hurts":
         return False, f"plain VL training does not lower {task}: there is no loss to protect against"
     return True, ""
+
+
+def plain_loss_notes(base: dict, runs: dict, models: list, task: str = FORMAT_TASK) -> list[str]:
+    """One sentence per model: what plain VL training did to ``task`` (the loss an intervention could protect)."""
+    notes = []
+    for model in models:
+        b, p = items(base.get(model, {}), task), arm_items(runs, model, PLAIN, task)
+        if b is None or p is None or len(b) < 2:
+            continue
+        test = paired_bootstrap(b, p, ALPHA)
+        notes.append(f"{model}: plain VL training changes {task} by {interval_pt(test)} (paired over items, "
+                     f"{len(seeds_of(runs, model, PLAIN))} seed(s)): {test.outcome} at alpha {ALPHA}.")
+    return notes
 
 
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
@@ -214,7 +252,18 @@ def sink_finding(base: dict, runs: dict, models: list) -> Finding:
                    else None, figures=[fig], notes=notes)
 
 
-def protection_finding(base: dict, runs: dict, models: list) -> Finding:
+def _learned(runs: dict, model: str, arm: str) -> tuple[bool, str]:
+    seeds = seeds_of(runs, model, arm)
+    ok = bool(seeds) and vision_learned({s: runs[(model, arm, s)] for s in seeds})[0]
+    return ok, f"the {LABELS.get(arm, arm)} runs did not learn the image task"
+
+
+def _low_s(base: dict, model: str) -> tuple[bool, str]:
+    s = base[model]["sink"]["S"]
+    return LOW_S(s), f"S = {s:.2f} is not on the low-S side the paper's merge claim is about ({LOW_S.text})"
+
+
+def protection_finding(base: dict, runs: dict, models: list, task: str = FORMAT_TASK) -> Finding:
     """Ours: does head-selective protection keep text capability at equal image accuracy, and the margin?"""
     claims, notes = [], []
     for model in models:
@@ -223,17 +272,23 @@ def protection_finding(base: dict, runs: dict, models: list) -> Finding:
             continue
         record = runs[(model, "protection", seeds[0])].get("intervention", {})
         notes.append(f"{model}: {record.get('protection', 'no record')}.")
-        active = bool(record.get("sink_heads")) or bool(record.get("first_sink_layer"))
-        gate = all_of(_plain_hurts(base, runs, model), (active, "no sink layer or head to protect on this model"))
-        text = paired_bootstrap(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds),
-                                arm_items(runs, model, "protection", FORMAT_TASK, seeds), ALPHA)
+        active = (bool(record.get("sink_heads")) or bool(record.get("first_sink_layer")),
+                  "no sink layer or head to protect on this model")
+        gate = all_of(_plain_hurts(base, runs, model, task), active)
+        text = paired_bootstrap(arm_items(runs, model, PLAIN, task, seeds),
+                                arm_items(runs, model, "protection", task, seeds), ALPHA)
         image = paired_bootstrap(arm_vision_items(runs, model, PLAIN, seeds), arm_vision_items(runs, model, "protection", seeds),
                                  ALPHA)
-        claims.append(claim(
-            f"protection_keeps_text_{slug(model)}", "measured", f"{SOURCE}, Limitations (the open question; test ours)",
-            f"{model}: head-selective protection keeps more format-sensitive skill than plain VL at equal image accuracy",
-            "proposed, not run", f"{FORMAT_TASK} {interval_pt(text)}; image accuracy {interval_pt(image)} (vs plain)",
-            KEEPS_MORE, value=text.outcome == "improves" and image.outcome != "hurts", precondition=gate, origin="ours"))
+        claims.append(statistical(
+            f"protection_keeps_text_{slug(model)}", f"{SOURCE}, Limitations (the open question; test ours)",
+            f"{model}: head-selective protection keeps more {task} than plain VL",
+            "proposed, not run", paired_effect(text, len(seeds), +1, 100, "pt"), TEXT_KEPT_OF_INTEREST,
+            precondition=gate, origin="ours"))
+        claims.append(statistical(
+            f"protection_keeps_images_{slug(model)}", f"{SOURCE}, Limitations (test ours)",
+            f"{model}: ... at equal image accuracy (held-out image accuracy at most {IMAGES_MARGIN.value:g} pt below "
+            f"plain VL's)", "proposed, not run", paired_effect(image, len(seeds), +1, 100, "pt"), IMAGES_MARGIN,
+            precondition=gate, origin="ours"))
         margins = {s: (runs[(model, "protection", s)]["sink"].get("margin_G_minus_B", float("nan")),
                        runs[(model, PLAIN, s)]["sink"].get("margin_G_minus_B", float("nan"))) for s in seeds}
         claims.append(claim(
@@ -241,36 +296,37 @@ def protection_finding(base: dict, runs: dict, models: list) -> Finding:
             f"{model}: protection closes the G_base - B_gap margin more slowly than plain VL",
             "should slow how fast VL training closes the margin",
             ", ".join(f"seed {s}: {p:+.3f} vs plain {q:+.3f}" for s, (p, q) in margins.items()), MARGIN_KEPT,
-            value=all(p > q for p, q in margins.values()), precondition=(active, "no sink head to protect"), origin="ours"))
+            value=all(p > q for p, q in margins.values()), origin="ours",
+            # a margin kept by runs that never learned the images is not a margin kept under VL training
+            precondition=all_of(active, _learned(runs, model, PLAIN), _learned(runs, model, "protection"))))
     return Finding("Head-selective protection", claims=claims, notes=notes)
 
 
-def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Finding:
+def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list, task: str = FORMAT_TASK) -> Finding:
     """Ours: with the per-head QK-norm frozen to a fixed scale, does text skill fall further and the sink erode more?"""
     claims, notes = [], []
     for model in models:
         seeds = sorted(set(seeds_of(runs, model, "fix_qk_norm")) & set(seeds_of(runs, model, PLAIN)))
         start = starts.get((model, "fix_qk_norm"))
-        if not seeds or start is None:
+        if not seeds or start is None or items(start, task) is None:
             continue
-        b, s0 = items(base[model], FORMAT_TASK), items(start, FORMAT_TASK)
-        native = arm_items(runs, model, PLAIN, FORMAT_TASK, seeds) - b
-        fixed = arm_items(runs, model, "fix_qk_norm", FORMAT_TASK, seeds) - s0
+        b, s0 = items(base[model], task), items(start, task)
+        native = arm_items(runs, model, PLAIN, task, seeds) - b
+        fixed = arm_items(runs, model, "fix_qk_norm", task, seeds) - s0
         test = paired_bootstrap(native, fixed, ALPHA)
-        notes.append(f"{model}: {FORMAT_TASK} unadapted {b.mean():.3f}, with the fixed scale before training "
+        notes.append(f"{model}: {task} unadapted {b.mean():.3f}, with the fixed scale before training "
                      f"{s0.mean():.3f} (the fixed scale is not the same function: see the methods); after VL training "
-                     f"native {(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds)).mean():.3f}, fixed "
-                     f"{arm_items(runs, model, 'fix_qk_norm', FORMAT_TASK, seeds).mean():.3f}.")
-        room = start["tasks"].get(FORMAT_TASK)
-        room_ok = bool(room) and has_headroom(start, FORMAT_TASK)
-        gate = all_of(_plain_hurts(base, runs, model),
-                        (room_ok, f"the fixed-scale model starts at the floor of {FORMAT_TASK}: nothing left to lose"))
-        claims.append(claim(
-            f"fixed_norm_loses_more_{slug(model)}", "measured", f"{SOURCE}, Limitations (the proposed causal test)",
-            f"{model}: with per-head QK-norm fixed to a scale, VL training costs more format-sensitive skill",
-            "proposed, not run (expected: IFEval collapses)",
-            f"change fixed minus change native {interval_pt(test)}", LOSES_MORE, value=test.outcome == "hurts",
-            precondition=gate, origin="ours"))
+                     f"native {(arm_items(runs, model, PLAIN, task, seeds)).mean():.3f}, fixed "
+                     f"{arm_items(runs, model, 'fix_qk_norm', task, seeds).mean():.3f}.")
+        per_head = (base[model]["model"]["qk_norm"] == "per-head", "the model has no per-head QK-norm")
+        room_ok = has_headroom(start, task)
+        gate = all_of(per_head, _plain_hurts(base, runs, model, task),
+                      (room_ok, f"the fixed-scale model starts at the floor of {task}: nothing left to lose"))
+        claims.append(statistical(
+            f"fixed_norm_loses_more_{slug(model)}", f"{SOURCE}, Limitations (the proposed causal test)",
+            f"{model}: with per-head QK-norm fixed to a scale, VL training costs more {task} (change from each "
+            f"model's own start)", "proposed, not run (expected: IFEval collapses)",
+            paired_effect(test, len(seeds), -1, 100, "pt"), EXTRA_LOSS_OF_INTEREST, precondition=gate, origin="ours"))
         erosion = {s: (probe_change(runs[(model, "fix_qk_norm", s)], "S"), probe_change(runs[(model, PLAIN, s)], "S"))
                    for s in seeds}
         claims.append(claim(
@@ -280,13 +336,13 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list) -> Fi
             "proposed, not run",
             ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
             value=all(f < n for f, n in erosion.values()), origin="ours",
-            precondition=all_of(_comparable(base, runs, model),
-                                  (base[model]["model"]["qk_norm"] == "per-head", "the model has no per-head QK-norm"),
-                                  (all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes"))))
+            precondition=all_of(per_head, _comparable(base, runs, model, task),
+                                (all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes"))))
     return Finding("Per-head QK-norm fixed during VL training", claims=claims, notes=notes)
 
 
-def injection_finding(base: dict, runs: dict, models: list, metric: str | None = None) -> Finding:
+def injection_finding(base: dict, runs: dict, models: list, metric: str | None = None,
+                      task: str = FORMAT_TASK) -> Finding:
     """The paper's negative control: per-head QK-norm injected after pretraining lags vanilla VL training."""
     claims = []
     for model in models:
@@ -303,21 +359,25 @@ def injection_finding(base: dict, runs: dict, models: list, metric: str | None =
             curves[arm] = {k: float(np.mean(v)) for k, v in sorted(steps.items())}
         later = [k for k in curves[PLAIN] if k > 0 and k in curves["inject_qk_norm"]]
         below = all(curves["inject_qk_norm"][k] < curves[PLAIN][k] for k in later) and bool(later)
-        end = paired_bootstrap(arm_items(runs, model, PLAIN, FORMAT_TASK, seeds),
-                               arm_items(runs, model, "inject_qk_norm", FORMAT_TASK, seeds), ALPHA)
+        end = paired_bootstrap(arm_items(runs, model, PLAIN, task, seeds),
+                               arm_items(runs, model, "inject_qk_norm", task, seeds), ALPHA)
         trace = ", ".join(f"step {k}: {curves['inject_qk_norm'][k]:.2f} vs {curves[PLAIN][k]:.2f}" for k in later)
-        claims.append(claim(
-            f"injection_lags_vanilla_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
-            f"{model}: per-head QK-norm injected after pretraining lags vanilla VL training throughout",
+        gate = all_of(_comparable(base, runs, model, task),
+                      (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))
+        claims.append(statistical(
+            f"injection_lags_vanilla_{slug(model)}", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
+            f"{model}: per-head QK-norm injected after pretraining ends below vanilla VL training on {task}",
             "IFEval 11 (injected) vs vanilla throughout; base 59.9",
-            f"probe {metric_read}: {trace}; end {FORMAT_TASK} {interval_pt(end)}", LAGS,
-            value=below and end.outcome == "hurts",
-            precondition=all_of(_comparable(base, runs, model),
-                                  (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))))
+            paired_effect(end, len(seeds), -1, 100, "pt"), LAG_OF_INTEREST, precondition=gate))
+        claims.append(claim(
+            f"injection_below_throughout_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
+            f"{model}: the injected model is below vanilla at every probe of VL training (probe {metric_read})",
+            "lags vanilla throughout training", trace or "no probes", BELOW_THROUGHOUT, value=below,
+            precondition=all_of(gate, (bool(later), "no probes after the start"))))
     return Finding("QK-norm injected after pretraining", claims=claims)
 
 
-def merging_finding(base: dict, runs: dict, models: list) -> Finding:
+def merging_finding(base: dict, runs: dict, models: list, task: str = FORMAT_TASK) -> Finding:
     """The paper's second negative control: merging the adapted language model back toward its base."""
     claims, rows, notes = [], [], []
     for model in models:
@@ -325,50 +385,82 @@ def merging_finding(base: dict, runs: dict, models: list) -> Finding:
         if not present:
             continue
         seeds = sorted(set.intersection(*(set(seeds_of(runs, model, f"merge:{m}")) for m in present)))
-        adapted = arm_items(runs, model, PLAIN, FORMAT_TASK, seeds)
-        b = items(base[model], FORMAT_TASK)
+        adapted = arm_items(runs, model, PLAIN, task, seeds)
+        b = items(base[model], task)
+        if adapted is None or b is None:
+            continue
         scores, tests = {}, {}
         for m in present:
-            merged = arm_items(runs, model, f"merge:{m}", FORMAT_TASK, seeds)
+            merged = arm_items(runs, model, f"merge:{m}", task, seeds)
             scores[m] = float(merged.mean())
             tests[m] = (paired_bootstrap(adapted, merged, ALPHA), paired_bootstrap(b, merged, ALPHA))
-            rows.append({"model": model, "merge": m, FORMAT_TASK: scores[m], "vs adapted": interval_pt(tests[m][0]),
+            rows.append({"model": model, "merge": m, task: scores[m], "vs adapted": interval_pt(tests[m][0]),
                          "vs unadapted": interval_pt(tests[m][1])})
-        gate = _plain_hurts(base, runs, model)
-        mild = [m for m in MILD_MERGES if m in present]
-        if mild:
-            claims.append(claim(
-                f"mild_merges_no_extra_damage_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
-                f"{model}: the mild mixes (95/5, uniform) do not damage the adapted model further",
-                "avoid substantial additional degradation", "; ".join(f"{m} {interval_pt(tests[m][0])}" for m in mild),
-                NO_EXTRA_DAMAGE, value=all(tests[m][0].outcome != "hurts" for m in mild), precondition=gate))
+        gate = _plain_hurts(base, runs, model, task)
+        low_side = all_of(gate, _low_s(base, model))
+        for m in (m for m in MILD_MERGES if m in present):
+            claims.append(statistical(
+                f"mild_merge_no_extra_damage_{m}_{slug(model)}", f"{SOURCE}, Sec. 5 / App. F.4",
+                f"{model}: the mild merge {m} does not damage the adapted model further (a drop of at most "
+                f"{NO_EXTRA_DAMAGE_MARGIN.value:g} pt)", "avoid substantial additional degradation",
+                paired_effect(tests[m][0], len(seeds), +1, 100, "pt"), NO_EXTRA_DAMAGE_MARGIN, precondition=low_side))
         if "task_arithmetic" in present:
             drop = 100 * (float(adapted.mean()) - scores["task_arithmetic"])
-        if present:
-            claims.append(claim(
-                f"full_strength_drops_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
-                f"{model}: full task arithmetic drops the unprotected model by tens of points", "tens of points",
-                f"{drop:+.1f} pt" if "task_arithmetic" in present else "not run (it is the adapted model)",
-                TENS_OF_POINTS, value=drop if "task_arithmetic" in present else 0.0,
-                precondition=(False, "with one adapted model and its base as the only ancestor, task arithmetic at "
-                                     "lambda 1 returns the adapted model itself (the paper's released VLMs merge with "
-                                     "a reference that is not their ancestor)")))
+        claims.append(claim(
+            f"full_strength_drops_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
+            f"{model}: full task arithmetic drops the unprotected model by tens of points", "tens of points",
+            f"{drop:+.1f} pt" if "task_arithmetic" in present else "not run (it is the adapted model)",
+            TENS_OF_POINTS, value=drop if "task_arithmetic" in present else 0.0,
+            precondition=(False, "with one adapted model and its base as the only ancestor, task arithmetic at "
+                                 "lambda 1 returns the adapted model itself (the paper's released VLMs merge with "
+                                 "a reference that is not their ancestor)")))
         sparse = [m for m in SPARSE_MERGES if m in present]
         others = [m for m in present if m not in SPARSE_MERGES]
         if sparse and others:
+            # "most damaging across both pairs" (App. F.4): not limited to the low-S side
             claims.append(claim(
                 f"sparsified_merges_worst_{slug(model)}", "measured", f"{SOURCE}, App. F.4",
                 f"{model}: the sparsified merges (TIES, DARE) are the most damaging",
                 "most damaging across both pairs", ", ".join(f"{m} {scores[m]:.3f}" for m in present), SPARSE_WORST,
                 value=max(scores[m] for m in sparse) < min(scores[m] for m in others), precondition=gate))
-        claims.append(claim(
-            f"merging_does_not_recover_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / Fig. 5",
-            f"{model}: no merge recovers the format-sensitive skill lost in VL training",
-            "fail to recover IFEval on the low-S side", "; ".join(f"{m} {interval_pt(tests[m][1])}" for m in present),
-            NOT_RECOVERED, value=all(tests[m][1].outcome == "hurts" for m in present), precondition=gate))
-        notes.append(f"{model}: unadapted {b.mean():.3f}, adapted {adapted.mean():.3f} ({FORMAT_TASK}, seeds {seeds}).")
+        for m in present:
+            claims.append(statistical(
+                f"merge_does_not_recover_{m}_{slug(model)}", f"{SOURCE}, Sec. 5 / Fig. 5",
+                f"{model}: the merge {m} does not recover the {task} lost in VL training (still below the "
+                f"unadapted model)", "fail to recover IFEval on the low-S side",
+                paired_effect(tests[m][1], len(seeds), -1, 100, "pt"), NOT_RECOVERED_OF_INTEREST,
+                precondition=low_side))
+        notes.append(f"{model}: unadapted {b.mean():.3f}, adapted {adapted.mean():.3f} ({task}, seeds {seeds}); "
+                     f"unadapted S {base[model]['sink']['S']:.2f}.")
     table = pd.DataFrame(rows).set_index(["model", "merge"]) if rows else None
     return Finding("Merging after VL training", claims=claims, table=table, notes=notes)
+
+
+def task_choice_finding(base: dict, runs: dict, starts: dict, models: list) -> Finding:
+    """``FORMAT_TASK`` was fixed by the paper's grading; here every text-reading claim is recomputed on the other
+    format-sensitive tasks the runs were scored on, so a reader sees how each verdict moves with that choice."""
+    tasks = [FORMAT_TASK, *OTHER_TASKS]
+    verdicts: dict[str, dict] = {}
+    for task in tasks:
+        scored = [m for m in models if m in base and items(base[m], task) is not None
+                  and all(items(runs[k], task) is not None for k in runs if k[0] == m)]
+        if not scored:
+            continue
+        for f in (protection_finding(base, runs, scored, task), fixed_norm_finding(base, runs, starts, scored, task),
+                  injection_finding(base, runs, scored, task=task), merging_finding(base, runs, scored, task)):
+            for c in f.claims:
+                if c.id.startswith("full_strength"):      # not comparable on every task (see its claim)
+                    continue
+                e = c.effect
+                verdicts.setdefault(c.id, {})[task] = label(c.holds) + (
+                    f" ({e['estimate']:+.1f} [{e['low']:+.1f}, {e['high']:+.1f}])" if e else "")
+    table = pd.DataFrame.from_dict(verdicts, orient="index")
+    notes = [f"The claims read {FORMAT_TASK} (the paper's flexible-extract grading). A column per task the runs "
+             f"were scored on; a task missing from a model's runs is left out."]
+    if not table.empty:
+        moved = [i for i, r in table.iterrows() if len({v.split(' (')[0] for v in r.dropna()}) > 1]
+        notes.append("Verdicts that change with the task: " + (", ".join(moved) if moved else "none") + ".")
+    return Finding("How the verdicts move with the task read", table=table if not table.empty else None, notes=notes)
 
 
 # ---- the chapter --------------------------------------------------------------------------------------------------
@@ -420,7 +512,8 @@ class VLProtectionChapter(Chapter):
                                "evaluation (s)": d.get("seconds")} for (m, a, s), d in sorted(runs.items())])
         notes = [f"{len(runs)} runs and merges; training and evaluating them took {self.timings['records']:.0f} s "
                  f"(cached runs load in seconds).",
-                 "Plain VL runs are the adaptation chapter's; merges reuse them, so they take no training."]
+                 "Plain VL runs are the adaptation chapter's; merges reuse them, so they take no training.",
+                 *plain_loss_notes(*self.records[:2], self.models)]
         return Finding("Runs", table=table, notes=notes)
 
     @finding
@@ -451,6 +544,11 @@ class VLProtectionChapter(Chapter):
     @finding
     def merging(self) -> Finding:
         return merging_finding(*self.records[:2], self.models)
+
+    @finding
+    def task_choice(self) -> Finding:
+        base, runs, starts = self.records
+        return task_choice_finding(base, runs, starts, self.models)
 
     def model_records(self) -> list[dict]:
         return [d["model"]["record"] for d in self.records[0].values()]
