@@ -419,7 +419,7 @@ def test_quick_profile_runs_on_a_tiny_model_of_every_family(family, private_cach
     checks = [c for c in claims.values() if c.must_hold]
     assert checks and all(c.holds is True for c in checks)
     measured = [c for c in claims.values() if not c.must_hold]
-    assert len(measured) == 21 and all(c.holds == NOT_COMPARABLE and c.why_not_comparable for c in measured)
+    assert len(measured) == 20 and all(c.holds == NOT_COMPARABLE and c.why_not_comparable for c in measured)
     assert results["extra"]["models"][f"tiny-{family}"]["directory"].startswith(str(private_cache))
     write_results(**results, directory=tmp_path / "results")
     assert (tmp_path / "results" / "outro_multimodal.json").exists()
