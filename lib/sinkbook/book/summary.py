@@ -48,7 +48,7 @@ PAPERS = (
         ("vl_adaptation", "theorem1_*"),
         # negative results: injected QK-norm does not protect, merges do not recover
         ("vl_protection", "injection_lags_vanilla_*"),
-        ("vl_protection", "merging_does_not_recover_*"),
+        ("vl_protection", "merge_does_not_recover_*"),
     )),
     Paper("OutRo", "yoo2026outro", (
         # which tokens are sinks: Phi_LLM sparse, Phi_VLM over-identifies
