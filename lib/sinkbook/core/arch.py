@@ -43,6 +43,7 @@ class ArchSpec:
     qkv_layout: str | None = None   # None: separate projections; "concat": [q | k | v]; "per-head": [q_h k_h v_h]...
     parallel: bool = False          # attention and MLP both read the layer input (GPT-J, Phi, GPT-NeoX, Falcon)
     rotary: bool = True             # positions enter through rotary embeddings (False: learned or none)
+    sinks: bool = False             # learned per-head sink logits in the softmax (gpt-oss)
     heads: int = 0
     kv_heads: int = 0
     head_dim: int = 0
@@ -88,6 +89,7 @@ HAND_WRITTEN: dict[str, HandWritten] = {
     "phi3": HandWritten("phi3", "concat", "qkv_proj's output is q (H*d) | k (Hkv*d) | v (Hkv*d)"),
     "dbrx": HandWritten("dbrx", "concat", "Wqkv's output is q (H*d) | k (Hkv*d) | v (Hkv*d)"),
     "gpt_neox": HandWritten("gpt_neox", "per-head", "query_key_value's output is viewed as (H, 3 d): per head q, k, v"),
+    "persimmon": HandWritten("persimmon", "per-head", "query_key_value's output is viewed as (H, 3 d), as in GPT-NeoX"),
     "falcon": HandWritten("falcon", "per config", "query_key_value is q | k | v with multi-query attention, "
                           "otherwise grouped per key/value head (q..q, k, v)"),
 }
@@ -133,6 +135,9 @@ def derive(model, probe: bool = True) -> ArchSpec:
     naming what is missing, when a decoder layer cannot be mapped."""
     config = text_config(model)
     family = config.model_type
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedArchitecture(f"architecture {family!r} is not supported: its attention does not go through "
+                                      f"transformers' attention interface, where the library reads q, k, v and the mask")
     layers_path = _find_layers(model, config)
     block = get_module(model, layers_path)[0]
     attn_name = _child(block, lambda name, m: "attention" in type(m).__name__.lower() and _has_params(m))
@@ -170,8 +175,9 @@ def derive(model, probe: bool = True) -> ArchSpec:
     qk_kind = _qk_norm_kind(get_module(block, q_norm), head_dim_, heads) if q_norm and k_norm else "none"
     rotary = any("rotary" in type(m).__name__.lower() or "rope" in type(m).__name__.lower()
                  for m in model.modules())
-    mlp = _child(block, lambda name, m: name in ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe")
-                 or any(s in type(m).__name__.lower() for s in ("mlp", "moe", "feedforward", "experts")))
+    mlp = _child(block, lambda name, m: name in ("mlp", "feed_forward", "block_sparse_moe", "ffn", "moe")) or \
+        _child(block, lambda name, m: "attention" not in type(m).__name__.lower() and any(
+            s in type(m).__name__.lower() for s in ("mlp", "moe", "feedforward", "experts")))
     if mlp is None:
         raise UnsupportedArchitecture(f"architecture {family!r} is not supported: no MLP found in its decoder "
                                       f"layer {type(block).__name__}")
@@ -182,6 +188,7 @@ def derive(model, probe: bool = True) -> ArchSpec:
                     resid_mid_input=placement["resid_mid_input"], mlp=mlp,
                     attn_out=placement["attn_out"] or o_proj, mlp_out=placement["mlp_out"] or mlp,
                     norm_gain_offset=offset, qkv_layout=layout, parallel=placement["parallel"], rotary=rotary,
+                    sinks=isinstance(getattr(attn, "sinks", None), torch.nn.Parameter),
                     heads=heads, kv_heads=kv_heads, head_dim=head_dim_)
 
 
@@ -343,6 +350,9 @@ def capability_problem(model, capability: str) -> str | None:
     if capability not in CAPABILITIES:
         raise ValueError(f"unknown capability {capability!r}; known: {', '.join(CAPABILITIES)}")
     spec = arch_for(model)
+    if capability == "sink strength" and spec.sinks:
+        return ("its learned sink logits take attention outside every key, and G is defined on the keys alone; "
+                "the attention pattern (capture) includes them")
     if capability == "gradient probes" and spec.parallel:
         return ("attention and MLP run in parallel on the layer input, so there is no residual stream between "
                 "the branches (resid_mid) for the probes' h^{l+1/2}")
