@@ -27,9 +27,11 @@ from sinkbook.measures.strength import gaps_for_batch
 ALL = tuple(TINY_FAMILIES) + tuple(FAMILIES)
 BOOK_PAGE = Path(__file__).resolve().parents[1] / "book" / "capture_points.md"
 # The QK-norm each family is documented to have (its paper / model card), written here, not read from the model:
-# OLMo 2 / OLMo 3 / OLMoE normalise q and k over all heads at once; Qwen 3, Gemma 3, Apertus and EXAONE 4 per head.
+# OLMo 2 / OLMo 3 / OLMoE normalise q and k over all heads at once; Qwen 3, Gemma 3, Apertus, EXAONE 4 and
+# Persimmon (a LayerNorm) per head.
 EXPECTED_QK_NORM = {"olmo2": "layerwise", "olmo3": "layerwise", "olmoe": "layerwise", "qwen3": "per-head",
-                    "qwen3_moe": "per-head", "gemma3": "per-head", "apertus": "per-head", "exaone4": "per-head"}
+                    "qwen3_moe": "per-head", "gemma3": "per-head", "apertus": "per-head", "exaone4": "per-head",
+                    "persimmon": "per-head"}
 # Families whose two branches read the same layer input (GPT-J, Phi, GPT-NeoX, Cohere): documented, not read.
 EXPECTED_PARALLEL = {"gptj", "phi", "gpt_neox", "cohere", "cohere2"}
 # Families transformers has but that the library refuses, with the reason it must give.

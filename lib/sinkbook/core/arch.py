@@ -359,8 +359,11 @@ def capability_problem(model, capability: str) -> str | None:
     if capability == "QK-norm tools":
         if spec.qk_norm == "layerwise":
             return "its QK-norm is layerwise (one RMS over all heads); the tools fix or inject per-head norms"
-        if spec.qk_norm == "per-head" and not hasattr(get_module(decoder_layers(model)[0], spec.q_norm), "weight"):
+        norm = get_module(decoder_layers(model)[0], spec.q_norm) if spec.q_norm else None
+        if spec.qk_norm == "per-head" and not hasattr(norm, "weight"):
             return "its per-head QK-norm keeps one norm module per head; the tools replace one shared norm"
+        if spec.qk_norm == "per-head" and getattr(norm, "bias", None) is not None:
+            return "its QK-norm is a LayerNorm (centred, with a bias); the tools calibrate RMSNorm scales"
         if spec.qk_norm == "none" and spec.fused:
             return "its q/k projections are fused in one module; injecting a QK-norm needs separate ones"
     return None

@@ -356,10 +356,10 @@ def tiny_config(family: str):
 
 # More decoder-only families, each built from transformers' own config class, shrunk (``family_config``). They
 # are not in TINY_FAMILIES, which every chapter test runs over; tests/test_families.py runs them all.
-FAMILIES = ("gpt2", "gpt_neox", "phi3", "falcon", "gemma", "gemma2", "olmo", "olmo3", "mixtral", "qwen3_moe",
+FAMILIES = ("gpt2", "gpt_neox", "phi3", "gemma", "gemma2", "olmo", "olmo3", "mixtral", "qwen3_moe",
             "olmoe", "gpt_oss", "gptj", "phi", "qwen2_moe", "stablelm", "starcoder2", "cohere", "granite", "glm",
             "helium", "smollm3", "gpt_bigcode", "cohere2", "glm4", "granitemoe", "phimoe", "seed_oss",
-            "ernie4_5", "arcee", "apertus", "exaone4", "nemotron", "persimmon", "opt")
+            "ernie4_5", "arcee", "apertus", "exaone4", "nemotron", "persimmon")
 # per-family settings the generic shrink cannot reach: rotary widths that default above the head size,
 # MLP widths under their own names, and sliding windows short enough to act within a test prompt
 _FAMILY_EXTRAS = {
