@@ -14,6 +14,7 @@ Paths are dotted, relative to one decoder layer, except ``layers``, relative to 
 from __future__ import annotations
 
 import copy
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ def derive(model, probe: bool = True) -> ArchSpec:
     naming what is missing, when a decoder layer cannot be mapped."""
     config = text_config(model)
     family = config.model_type
-    if not getattr(model, "_supports_attention_backend", False):
+    if not _uses_attention_interface(model):
         raise UnsupportedArchitecture(f"architecture {family!r} is not supported: its attention does not go through "
                                       f"transformers' attention interface, where the library reads q, k, v and the mask")
     layers_path = _find_layers(model, config)
@@ -190,6 +191,15 @@ def derive(model, probe: bool = True) -> ArchSpec:
                     norm_gain_offset=offset, qkv_layout=layout, parallel=placement["parallel"], rotary=rotary,
                     sinks=isinstance(getattr(attn, "sinks", None), torch.nn.Parameter),
                     heads=heads, kv_heads=kv_heads, head_dim=head_dim_)
+
+
+def _uses_attention_interface(model) -> bool:
+    # The class flag marks the families that accept outside kernels; some that dispatch through the interface
+    # (StableLM) lack it, so the model file importing the interface's registry counts too. Falcon's file does not.
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    return any(hasattr(sys.modules.get(type(m).__module__), "ALL_ATTENTION_FUNCTIONS")
+               for m in model.modules() if "attention" in type(m).__name__.lower())
 
 
 def _has_params(module) -> bool:
