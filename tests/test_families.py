@@ -192,7 +192,14 @@ def test_sink_strength_equals_a_direct_computation(family, ids):
     for layer, expected in enumerate(_direct_gaps(model, ids)):
         ours = gaps[layer]
         assert torch.isfinite(ours[:, :, 1:]).all() and torch.isnan(ours[:, :, 0]).all()
-        torch.testing.assert_close(ours[:, :, 1:], expected[:, :, 1:], rtol=2e-3, atol=2e-3)
+        ours, expected = ours[:, :, 1:], expected[:, :, 1:]
+        # From float32 probabilities G is exact to 2e-3 only while 1 - a stays well above float32's rounding
+        # (G below 9); Granite's and Nemotron's peaked random heads reach 16 and more, where a rounds to 1 and the
+        # direct G is inf. There ours, read from the logits, must be at least as large.
+        conditioned = expected < 9.0
+        assert conditioned.float().mean() > 0.5, "too few well-conditioned queries to compare"
+        torch.testing.assert_close(ours[conditioned], expected[conditioned], rtol=2e-3, atol=2e-3)
+        assert (ours[~conditioned] > 9.0 - 2e-3).all()
 
 
 @pytest.mark.parametrize("family", ALL)
