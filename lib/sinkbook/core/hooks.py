@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .arch import arch_for, get_module, text_config
+from .arch import UnsupportedArchitecture, arch_for, get_module, text_config
 
 CAPTURE_POINTS = {
     "resid_pre": "(B, T, D) residual stream entering the decoder layer",
@@ -83,6 +83,8 @@ class AttentionCall:
     sliding_window: int | None
     softcap: float | None
     output: torch.Tensor | None = None   # (B, T, H, d)
+    sinks: torch.Tensor | None = None    # (H,) learned sink logits (gpt-oss): a column every query sees, no value
+
 
     @property
     def groups(self) -> int:
@@ -114,19 +116,24 @@ class AttentionCall:
     def probabilities(self) -> torch.Tensor:
         """(B, H, T, S) attention probabilities, as eager attention would return them (float32).
 
-        Rows of padding queries, which may see no key at all, are all zeros instead of NaN."""
-        return torch.softmax(self.logits(), dim=-1).nan_to_num_(0.0)
+        With learned sink logits the softmax runs over the keys and the sink, and the sink's share is dropped, so
+        a row sums to less than 1. Rows of padding queries, which may see no key at all, are all zeros."""
+        logits = self.logits()
+        if self.sinks is None:
+            return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+        sink = self.sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].nan_to_num_(0.0)
 
 
 def _wrapped_attention(base_name: str) -> Callable:
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        base = ALL_ATTENTION_FUNCTIONS[base_name] if base_name != "eager" else _eager()
+        base = ALL_ATTENTION_FUNCTIONS[base_name] if base_name != "eager" else _eager(module)
         listeners = getattr(module, "_sinkbook_listeners", None)
         if not listeners:
             return base(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        call = AttentionCall(module, module.layer_idx, query, key, value, attention_mask,
-                             scaling if scaling is not None else module.head_dim ** -0.5,
-                             kwargs.get("sliding_window"), kwargs.get("softcap"))
+        call = AttentionCall(module, module._sinkbook_layer, query, key, value, attention_mask,
+                             scaling if scaling is not None else query.shape[-1] ** -0.5,
+                             kwargs.get("sliding_window"), kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
         for listener in listeners:
             listener.before(call)      # may replace call.key / call.value
         out, weights = base(module, call.query, call.key, call.value, attention_mask, scaling=scaling, **kwargs)
@@ -137,10 +144,13 @@ def _wrapped_attention(base_name: str) -> Callable:
     return attention
 
 
-def _eager():
+def _eager(module):
     import importlib
-    # eager attention is defined per model file; llama's is the generic one (repeat_kv, mask add, softmax).
-    return importlib.import_module("transformers.models.llama.modeling_llama").eager_attention_forward
+    import sys
+    # eager attention is defined per model file (Gemma 2 soft-caps in it, gpt-oss adds its sinks there); a file
+    # without one uses llama's generic one (repeat_kv, mask add, softmax).
+    own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return own or importlib.import_module("transformers.models.llama.modeling_llama").eager_attention_forward
 
 
 def _configs(model) -> list:
@@ -188,9 +198,10 @@ class _HookSet:
         register = {"pre": module.register_forward_pre_hook, "post": module.register_forward_hook}[kind]
         self._handles.append(register(fn, **kw))
 
-    def listen(self, attn_module, listener: _Listener):
+    def listen(self, attn_module, listener: _Listener, layer: int):
         if not hasattr(attn_module, "_sinkbook_listeners"):
             attn_module._sinkbook_listeners = []
+        attn_module._sinkbook_layer = layer   # not every family numbers its attention modules (layer_idx)
         attn_module._sinkbook_listeners.append(listener)
         self._listeners.append((attn_module, listener))
 
@@ -203,6 +214,8 @@ class _HookSet:
                 listeners.remove(listener)
             if not listeners and hasattr(module, "_sinkbook_listeners"):
                 del module._sinkbook_listeners
+                if hasattr(module, "_sinkbook_layer"):
+                    del module._sinkbook_layer
         self._handles, self._listeners = [], []
 
 
@@ -303,13 +316,20 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
         raise ValueError("'pattern' is recomputed beside the kernel and has no gradient; capture 'q'/'k' instead")
     points = tuple(dict.fromkeys(points + grads))
     arch = arch_for(model)
+    if arch.parallel and "resid_mid" in grads:
+        raise UnsupportedArchitecture(f"a gradient at 'resid_mid' is not available for {arch.family!r}: attention "
+                                      f"and MLP run in parallel, so that stream is never formed inside the model")
     decoder = list(get_module(model, arch.layers))
     layers = _normalise_layers(layers, len(decoder))
     reducers = dict(reducers or {})
     cap = Capture(points, layers)
     hooks = _HookSet()
-    cfg = text_config(model)
-    heads = {"q": cfg.num_attention_heads, "kv": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
+    heads = {"q": arch.heads, "kv": arch.kv_heads}
+    parts = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
+    # In a parallel block resid_mid never exists in the model; it is the sum it would be, formed from the layer
+    # input and the attention branch's output (both captured on the side).
+    summed = arch.parallel and "resid_mid" in points
+    side = {}
 
     def store(point, layer, tensor, view=lambda t: t):
         # A gradient is kept on the tensor the model itself uses; the documented shape is a view taken on access.
@@ -334,7 +354,11 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
                     store("pattern", self.layer, call.probabilities())
 
     def module_hook(point, layer, split):
+        index = arch.qkv_index(parts[point]) if point in parts else None
+
         def unflatten(tensor):
+            if index is not None:          # a fused q/k/v projection: this point's channels, in head order
+                tensor = tensor[..., index.to(tensor.device)]
             return tensor.unflatten(-1, (heads[split], -1)) if split else tensor
 
         def pre(module, args, kwargs):
@@ -346,6 +370,8 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
 
     def block_post_hook(layer, stop):
         def hook(module, args, kwargs, output):
+            if summed:
+                store("resid_mid", layer, side.pop(("resid_pre", layer)) + side.pop(("attn_out", layer)))
             if "resid_post" in points:
                 store("resid_post", layer, output[0] if isinstance(output, tuple) else output)
             if stop:
@@ -357,16 +383,20 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
             for layer in layers:
                 block = decoder[layer]
                 if _ATTN_POINTS & set(points):
-                    hooks.listen(get_module(block, arch.attn), AttentionCapture(layer))
+                    hooks.listen(get_module(block, arch.attn), AttentionCapture(layer), layer)
                 if "resid_pre" in points:
                     hooks.module_hook(block, "pre", module_hook("resid_pre", layer, None)[0], with_kwargs=True)
+                if summed:
+                    hooks.module_hook(block, "pre", _keep(side, ("resid_pre", layer), "pre"), with_kwargs=True)
+                    hooks.module_hook(get_module(block, arch.attn_out), "post", _keep(side, ("attn_out", layer), "post"),
+                                      with_kwargs=True)
                 for point, (where, kind, split) in _MODULE_POINTS.items():
-                    if point in points:
+                    if point in points and not (point == "resid_mid" and summed):
                         pre, post = module_hook(point, layer, split)
                         hooks.module_hook(get_module(block, getattr(arch, where)), kind,
                                           pre if kind == "pre" else post, with_kwargs=True)
                 stop = stop_early and layer == layers[-1]
-                if "resid_post" in points or stop:
+                if "resid_post" in points or stop or summed:
                     hooks.module_hook(block, "post", block_post_hook(layer, stop), with_kwargs=True)
             try:
                 yield cap
@@ -374,6 +404,16 @@ def capture(model, points=("pattern",), layers=None, reducers: dict | None = Non
                 pass
     finally:
         hooks.remove()
+
+
+def _keep(side: dict, key, kind: str):
+    """A hook keeping a module's input (``pre``) or output (``post``) tensor in ``side`` under ``key``."""
+    def pre(module, args, kwargs):
+        side[key] = _first_tensor(args, kwargs).detach()
+
+    def post(module, args, kwargs, output):
+        side[key] = (output[0] if isinstance(output, tuple) else output).detach()
+    return pre if kind == "pre" else post
 
 
 @contextlib.contextmanager
@@ -461,10 +501,10 @@ def intervene(model, edits: dict):
                 if point == "resid_pre":
                     hooks.module_hook(block, "pre", resid_pre_edit(layer, fn), with_kwargs=True)
                 elif point == "z":
-                    hooks.module_hook(get_module(block, arch.o_proj), "pre", z_edit(layer, fn, attn.head_dim),
+                    hooks.module_hook(get_module(block, arch.o_proj), "pre", z_edit(layer, fn, arch.head_dim),
                                       with_kwargs=True)
                 else:
-                    hooks.listen(attn, AttentionEdit(layer, point, fn))
+                    hooks.listen(attn, AttentionEdit(layer, point, fn), layer)
             yield
     finally:
         hooks.remove()

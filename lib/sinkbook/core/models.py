@@ -372,8 +372,80 @@ def tiny_config(family: str):
     raise ModelNotAvailable(f"unknown tiny family {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
 
 
+# More decoder-only families, each built from transformers' own config class, shrunk (``family_config``). They
+# are not in TINY_FAMILIES, which every chapter test runs over; tests/test_families.py runs them all.
+FAMILIES = ("gpt2", "gpt_neox", "phi3", "gemma", "gemma2", "olmo", "olmo3", "mixtral", "qwen3_moe",
+            "olmoe", "gpt_oss", "gptj", "phi", "qwen2_moe", "stablelm", "starcoder2", "cohere", "granite", "glm",
+            "helium", "smollm3", "gpt_bigcode", "cohere2", "glm4", "granitemoe", "phimoe", "seed_oss",
+            "ernie4_5", "arcee", "apertus", "exaone4", "nemotron", "persimmon")
+# per-family settings the generic shrink cannot reach: rotary widths that default above the head size,
+# MLP widths under their own names, and sliding windows short enough to act within a test prompt
+_FAMILY_EXTRAS = {
+    "gptj": dict(rotary_dim=8), "falcon": dict(ffn_hidden_size=128), "phimoe": dict(sliding_window=None),
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=16), "cohere2": dict(sliding_window=8),
+    "gpt_oss": dict(sliding_window=8), "olmo3": dict(sliding_window=8), "exaone4": dict(sliding_window=8),
+    "phi": dict(partial_rotary_factor=0.5), "stablelm": dict(partial_rotary_factor=0.5),
+    "persimmon": dict(partial_rotary_factor=0.5), "nemotron": dict(partial_rotary_factor=0.5),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+}
+
+
+def family_config(model_type: str, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+    """A tiny random config of ``model_type`` from transformers' own config class: 2 layers, hidden 64, 4 query
+    heads of 16, 2 key/value heads (where the family has grouped queries), 4 experts of which 2 are active, a
+    vocabulary of TINY_VOCAB, so a forward pass takes milliseconds."""
+    from transformers import AutoConfig
+    config = AutoConfig.for_model(model_type)
+    settings = dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                    vocab_size=TINY_VOCAB, max_position_embeddings=512, num_local_experts=4, num_experts=4,
+                    moe_intermediate_size=hidden // 2, shared_expert_intermediate_size=hidden // 2,
+                    num_experts_per_tok=2, bos_token_id=256, eos_token_id=257, pad_token_id=258,
+                    tie_word_embeddings=False, n_inner=2 * hidden, n_positions=512, rotary_dim=None,
+                    attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    settings.update(_FAMILY_EXTRAS.get(model_type, {}))
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    for key, value in settings.items():
+        if key in known and not isinstance(getattr(type(config), key, None), property):
+            if key == "rotary_dim" and value is None:
+                continue
+            setattr(config, key, value)
+    if getattr(config, "layer_types", None):
+        kinds = list(dict.fromkeys(config.layer_types))       # keep one layer of each kind the family has
+        config.layer_types = (kinds * layers)[:layers]
+    if getattr(config, "rope_parameters", None) and "partial_rotary_factor" in _FAMILY_EXTRAS.get(model_type, {}):
+        config.rope_parameters = {**config.rope_parameters,
+                                  "partial_rotary_factor": _FAMILY_EXTRAS[model_type]["partial_rotary_factor"]}
+    return config
+
+
+def family_model(model_type: str, seed: int = 0):
+    """A random-weight model of ``family_config(model_type)`` on its own SDPA kernel, or eager where transformers
+    offers only that (Gemma 2's soft-capping, gpt-oss's sinks)."""
+    from transformers import AutoModelForCausalLM
+    config = family_config(model_type)
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    except ValueError:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    _peak(model)
+    return model.eval()
+
+
+def _peak(model):
+    # Larger-than-default init gives peaked, non-uniform attention, so capture tests compare real patterns.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.2)
+
+
 def _tiny(family: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
+    if family not in TINY_FAMILIES and family in FAMILIES:
+        return family_model(family, seed)
     config = tiny_config(family)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")

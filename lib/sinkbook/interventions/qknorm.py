@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..core.arch import arch_for, decoder_layers, get_module, head_dim, text_config
+from ..core.arch import arch_for, decoder_layers, get_module, head_dim, require, text_config
 
 _KINDS = ("q", "k")
 
@@ -187,6 +187,7 @@ def inject_qk_norm(model, eps: float | None = None) -> InjectedQKNorm:
     if arch.qk_norm != "none":
         raise ValueError(f"{arch.family} already has a {arch.qk_norm} QK-norm; inject_qk_norm adds one to a model "
                          "without it (Llama / SmolLM2, Mistral, Qwen2)")
+    require(model, "QK-norm tools")        # a fused q/k/v projection has no q_proj / k_proj output to normalise
     cfg = text_config(model)
     eps = eps if eps is not None else getattr(cfg, "rms_norm_eps", 1e-6)
     blocks = decoder_layers(model)

@@ -43,22 +43,27 @@ def vscale_jacobian_eigenvalues(sq_norm: torch.Tensor, c: torch.Tensor) -> tuple
 
 
 class VScaledProjection(nn.Module):
-    """``v_proj`` followed by V-scale, one ``theta`` per value head (KV head under GQA)."""
+    """``v_proj`` followed by V-scale, one ``theta`` per value head (KV head under GQA). ``index``: for a fused
+    q/k/v projection, the output channels that hold the values (in head order); only those are scaled."""
 
-    def __init__(self, proj: nn.Linear, n_heads: int, d_head: int, d_model: int, sigma: float = SIGMA,
-                 theta: float = 0.0):
+    def __init__(self, proj: nn.Module, n_heads: int, d_head: int, d_model: int, sigma: float = SIGMA,
+                 theta: float = 0.0, index: torch.Tensor | None = None):
         super().__init__()
-        if proj.out_features != n_heads * d_head:
-            raise ValueError(f"v_proj gives {proj.out_features} features, expected {n_heads} heads x {d_head}")
+        width = getattr(proj, "out_features", None) or getattr(proj, "nf", None)
+        if index is None and width != n_heads * d_head:
+            raise ValueError(f"v_proj gives {width} features, expected {n_heads} heads x {d_head}")
+        self.register_buffer("index", index, persistent=False)
         self.proj = proj
         self.n_heads, self.d_head, self.d_model, self.sigma = n_heads, d_head, d_model, sigma
         self.theta = nn.Parameter(torch.full((n_heads,), float(theta), device=proj.weight.device,
                                              dtype=proj.weight.dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        v = self.proj(hidden)
-        heads = v.view(*v.shape[:-1], self.n_heads, self.d_head)
-        return vscale_values(heads, self.theta, self.d_model, self.sigma).view_as(v)
+        out = self.proj(hidden)
+        v = out if self.index is None else out[..., self.index]
+        heads = v.reshape(*v.shape[:-1], self.n_heads, self.d_head)
+        scaled = vscale_values(heads, self.theta, self.d_model, self.sigma).reshape(v.shape)
+        return scaled if self.index is None else out.index_copy(-1, self.index, scaled)
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, d_head={self.d_head}, d_model={self.d_model}, sigma={self.sigma}"
@@ -79,7 +84,7 @@ def apply_vscale(model: nn.Module, sigma: float = SIGMA, theta=0.0) -> nn.Module
     ``calibrated_theta``'s."""
     arch = arch_for(model)
     cfg = text_config(model)
-    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    n_kv = arch.kv_heads
     starts = torch.as_tensor(theta, dtype=torch.float32)
     if starts.ndim and tuple(starts.shape) != (len(decoder_layers(model)), n_kv):
         raise ValueError(f"theta must be a number or a (layers, value heads) = ({len(decoder_layers(model))}, "
@@ -88,9 +93,11 @@ def apply_vscale(model: nn.Module, sigma: float = SIGMA, theta=0.0) -> nn.Module
         proj = get_module(layer, arch.v_proj)
         if isinstance(proj, VScaledProjection):
             raise ValueError(f"layer {i} already has V-scale; apply_vscale was called twice")
-        if not isinstance(proj, nn.Linear):
+        if not isinstance(proj, nn.Linear) and type(proj).__name__ != "Conv1D":
             raise TypeError(f"layer {i}: the value projection is {type(proj).__name__}, expected nn.Linear")
-        wrapped = VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma, 0.0)
+        index = arch.qkv_index("v")
+        wrapped = VScaledProjection(proj, n_kv, head_dim(model), cfg.hidden_size, sigma, 0.0,
+                                    None if index is None else index.to(proj.weight.device))
         with torch.no_grad():
             wrapped.theta.copy_((starts[i] if starts.ndim else starts).expand(n_kv))
         _set_module(layer, arch.v_proj, wrapped)
@@ -108,8 +115,9 @@ def calibrated_theta(model: nn.Module, input_ids: torch.Tensor, share: float, si
         raise ValueError("the model already has V-scale; calibrate before apply_vscale")
     arch = arch_for(model)
     cfg = text_config(model)
-    n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    n_kv = arch.kv_heads
     d_head = head_dim(model)
+    index = arch.qkv_index("v")            # the value channels of a fused q/k/v projection
     kept = {}
     handles = [get_module(layer, arch.v_proj).register_forward_hook(
         lambda m, a, out, i=i: kept.__setitem__(i, out.detach().float())) for i, layer in enumerate(decoder_layers(model))]
@@ -120,7 +128,8 @@ def calibrated_theta(model: nn.Module, input_ids: torch.Tensor, share: float, si
             h.remove()
     rows = []
     for i in sorted(kept):
-        sq = kept[i].unflatten(-1, (n_kv, d_head)).pow(2).sum(-1).flatten(0, -2)        # (B*T, heads)
+        v = kept[i] if index is None else kept[i][..., index.to(kept[i].device)]
+        sq = v.unflatten(-1, (n_kv, d_head)).pow(2).sum(-1).flatten(0, -2)        # (B*T, heads)
         rows.append(torch.log(share * sq.median(0).values / (cfg.hidden_size * d_head * sigma**2)))
     return torch.stack(rows).cpu()
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.arch import n_layers as layer_count
+from ..core.arch import require
 from ..core.hooks import capture, intervene
 
 DEFAULT_WINDOW = 10
@@ -151,6 +152,7 @@ class StrengthResult:
 
 def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
     """Run one forward pass and return ({layer: G (B,H,T)}, {layer: argmax key (B,H,T)}) for ``layers``."""
+    require(model, "sink strength")
     n_layers = layer_count(model)
     layers = list(range(n_layers)) if layers is None else sorted({(x + n_layers) % n_layers for x in layers})
     mask = batch.get("attention_mask")
