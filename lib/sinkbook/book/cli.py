@@ -15,10 +15,10 @@ import time
 
 # Only torch-free modules at the top: `sinkbook --help` and usage errors answer in a fraction of a second, and
 # torch (seconds to import) is loaded by the command that needs it. ModelNotAvailable is caught in main().
-from ..core.arch import UnsupportedArchitecture
 from ..core.profiles import SettingsError, check_device
 
-USER_ERRORS = (UnsupportedArchitecture, SettingsError, ValueError, FileNotFoundError)
+# core.arch.UnsupportedArchitecture is a ValueError; naming it here would import torch (core.arch needs it).
+USER_ERRORS = (SettingsError, ValueError, FileNotFoundError)
 WINDOW_HELP_DEFAULT = 10        # measures.strength.DEFAULT_WINDOW, written out so the parser needs no torch (tested)
 # The packages of pyproject.toml's extras, by import name: a command that needs one says which extra to install
 # (the library alone installs only the core dependencies).
