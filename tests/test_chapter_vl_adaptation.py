@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE
+from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE, missing_effects
 from sinkbook.chapters import vl_adaptation as vl
 from sinkbook.runs.adaptation_records import probe_metric
 
@@ -65,7 +65,9 @@ def _by_id(finding):
 
 def test_paper_like_world_holds_everywhere():
     base, runs = _world()
-    assert _by_id(vl.adaptation_finding(base, runs, [M]))["vl_learns_images"].holds is True
+    learned = _by_id(vl.adaptation_finding(base, runs, [M]))["vl_learns_images"]
+    assert learned.holds is True and learned.effect["test"].endswith("worst of 2 seeds")
+    assert learned.interest["source"].startswith("ours:") and not missing_effects([learned])
     cap = _by_id(vl.capability_finding(base, runs, [M]))
     assert cap["vl_lowers_ifeval"].holds is True and cap["vl_lowers_arithmetic_strict"].holds is True
     assert cap["text_only_loses_less_ifeval"].holds is True

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from sinkbook.book.results import claims_markdown, headline, load_all_results, tally, write_results
-from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE, Claim, Finding, MustHoldFailed, Rule, check, claim, slug
+from sinkbook.core.claims import (INCONCLUSIVE, NOT_COMPARABLE, Claim, Finding, MissingEffect, MustHoldFailed, Rule,
+                                  check, claim, slug)
 from sinkbook.core.profiles import Profiles, SettingsError
 
 
@@ -50,6 +51,14 @@ def test_claim_rejects_malformed_fields(kwargs, message):
         Claim(**{**fields, **kwargs})
 
 
+def test_a_paired_test_without_its_effect_is_refused_after_the_file_is_written(tmp_path):
+    bare = Claim("p", "measured", "VL paper", "IFEval falls", 3.0, 1.2, "McNemar p < 0.05", True)
+    with pytest.raises(MissingEffect, match="p are decided by a paired test.*statistical"):
+        write_results("demo", {}, [*_claims(), bare], directory=tmp_path)
+    assert [c["id"] for c in json.loads((tmp_path / "demo.json").read_text())["claims"]][-1] == "p"
+    write_results("demo", {}, _claims(), directory=tmp_path)       # the same file without it passes
+
+
 def test_duplicate_claim_ids_rejected(tmp_path):
     c = _claims()[0]
     with pytest.raises(ValueError, match="duplicate"):
@@ -70,7 +79,10 @@ def test_claim_builder_gates_on_its_precondition_and_never_contradicts_its_verdi
     failed = claim("z", "measured", "paper", "a gradient sink", "10-100", float("nan"), rule)
     assert held.holds is True and held.verdict().startswith("Holds: a gradient sink")
     assert gated.holds == NOT_COMPARABLE and "no sink" in gated.verdict() and gated.verdict().startswith("Not comparable")
-    assert failed.holds is False and failed.verdict().startswith("Does not hold")
+    assert failed.holds == NOT_COMPARABLE and "nan, not a number" in failed.verdict()
+    import numpy as np
+    assert claim("w", "measured", "paper", "s", 1, np.float32("inf"), rule).holds == NOT_COMPARABLE
+    assert check("v", "identity", float("nan"), Rule.at_most(0.0)).holds is False   # a check of our code fails
     assert check("k", "identity", 0.0, Rule.at_most(0.0)).must_hold
     assert Finding("t", claims=[held, gated]).verdicts == [held.verdict(), gated.verdict()]
     assert slug("smollm2-135m-instruct") == "smollm2_135m_instruct" and slug("0.1b") == "x0_1b"

@@ -75,3 +75,9 @@ def test_paired_effect_orientation_and_mcnemar_interval():
     b = paired_bootstrap([1.0, 2, 3, 4, 5], [2.0, 3, 4, 5, 7], 0.05)
     e = paired_effect(b, seeds=2)
     assert (e.low, e.high) == pytest.approx(b.detail["interval"])
+
+
+def test_a_difference_that_rounds_to_zero_is_never_printed_negative():
+    from sinkbook.core.claims import signed
+    assert signed(-0.0) == "+0" and signed(-0.04, ".1f") == "+0.0" and signed(-0.06, ".1f") == "-0.1"
+    assert signed(0.5) == "+0.5" and "[+0, " in Effect(0.5, -0.0, 1.0, 0.95, "t", 10, 1).text()

@@ -21,8 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
-from ..core.claims import (INCONCLUSIVE, KINDS, NOT_COMPARABLE, VERDICTS, Claim, MustHoldFailed, failed_must_hold,
-                           label)
+from ..core.claims import (INCONCLUSIVE, KINDS, NOT_COMPARABLE, VERDICTS, Claim, MissingEffect, MustHoldFailed,
+                           failed_must_hold, label, missing_effects)
 from ..core.paths import REPO_ROOT, jsonable, results_dir, staging
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
@@ -50,7 +50,8 @@ def git_commit() -> str:
 
 def write_results(chapter: str, parameters: dict, claims: list[Claim], models: list[dict] | None = None,
                   extra: dict | None = None, directory: str | Path | None = None) -> Path:
-    """Write ``results/<chapter>.json``, then raise ``MustHoldFailed`` if a must-hold check failed.
+    """Write ``results/<chapter>.json``, then raise ``MustHoldFailed`` if a must-hold check failed, or
+    ``MissingEffect`` if a claim decided by a paired test carries no effect and effect of interest.
 
     The file is written first, so a failing check never loses what the chapter computed."""
     out_dir = Path(directory) if directory else results_dir()
@@ -78,6 +79,11 @@ def write_results(chapter: str, parameters: dict, claims: list[Claim], models: l
     if failed:
         raise MustHoldFailed(f"{chapter}: {len(failed)} check(s) that must hold failed (the code is wrong): "
                              + "; ".join(c.verdict() for c in failed))
+    bare = missing_effects(claims)
+    if bare:
+        raise MissingEffect(f"{chapter}: claim(s) {', '.join(c.id for c in bare)} are decided by a paired test but "
+                            "carry no effect and effect of interest: build them with core.claims.statistical "
+                            f"(the results are in {path})")
     return path
 
 

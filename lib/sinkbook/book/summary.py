@@ -19,7 +19,7 @@ import fnmatch
 import html
 import math
 
-from ..core.claims import INCONCLUSIVE, NOT_COMPARABLE, label
+from ..core.claims import INCONCLUSIVE, NOT_COMPARABLE, label, signed
 
 # The four printed verdicts, in the order the summary lists them.
 ORDER = ("holds", "does not hold", INCONCLUSIVE, NOT_COMPARABLE)
@@ -121,7 +121,7 @@ def effect_text(effect: dict) -> str:
     units = f" {effect['units']}" if effect.get("units") else ""
     level = effect.get("level")
     at = f", {level:.0%} interval" if isinstance(level, (int, float)) else ""
-    return f"{effect['estimate']:+.3g}{units} [{effect['low']:+.3g}, {effect['high']:+.3g}]{at}"
+    return f"{signed(effect['estimate'])}{units} [{signed(effect['low'])}, {signed(effect['high'])}]{at}"
 
 
 def number(c: dict) -> str:

@@ -34,7 +34,7 @@ import functools
 import numpy as np
 import pandas as pd
 
-from ..core.claims import INCONCLUSIVE, Claim, Finding, Interest, Rule, check, claim, decide, slug, statistical
+from ..core.claims import INCONCLUSIVE, Claim, Finding, Interest, Rule, check, claim, decide, signed, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above, between, each
 from ..measures.stats import mcnemar_exact, min_pairs_to_decide, paired_effect
@@ -148,7 +148,7 @@ def _points(test, paper_direction: int = +1):
 
 def _describe(test) -> str:
     d = test.detail
-    return (f"{d['rate_first']:.3f} -> {d['rate_second']:.3f} ({100 * test.effect:+.1f} pt; {d['only_first']} lost, "
+    return (f"{d['rate_first']:.3f} -> {d['rate_second']:.3f} ({signed(100 * test.effect, '.1f')} pt; {d['only_first']} lost, "
             f"{d['only_second']} gained, p = {test.p_value:.3g}; {test.n} questions)")
 
 

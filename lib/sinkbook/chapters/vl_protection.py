@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Interest, Rule, check, claim, label, slug, statistical
+from ..core.claims import Finding, Interest, Rule, check, claim, label, signed, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
 from ..measures.stats import paired_bootstrap, paired_effect
@@ -453,7 +453,7 @@ def task_choice_finding(base: dict, runs: dict, starts: dict, models: list) -> F
                     continue
                 e = c.effect
                 verdicts.setdefault(c.id, {})[task] = label(c.holds) + (
-                    f" ({e['estimate']:+.1f} [{e['low']:+.1f}, {e['high']:+.1f}])" if e else "")
+                    f" ({signed(e['estimate'], '.1f')} [{signed(e['low'], '.1f')}, {signed(e['high'], '.1f')}])" if e else "")
     table = pd.DataFrame.from_dict(verdicts, orient="index")
     notes = [f"The claims read {FORMAT_TASK} (the paper's flexible-extract grading). A column per task the runs "
              f"were scored on; a task missing from a model's runs is left out."]

@@ -44,6 +44,10 @@ class MustHoldFailed(AssertionError):
     """A check that must hold whatever the papers say failed: the code computing it is wrong."""
 
 
+class MissingEffect(ValueError):
+    """A claim decided by a paired test was built without its effect and effect of interest (use ``statistical``)."""
+
+
 def slug(text: str) -> str:
     """A snake_case id fragment from a model spec or label: 'smollm2-135m-instruct' -> 'smollm2_135m_instruct'."""
     out = re.sub(r"[^a-z0-9]+", "_", str(text).lower()).strip("_")
@@ -160,6 +164,17 @@ def _plain(value):
     return value
 
 
+def _not_finite(value) -> bool:
+    value = _plain(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value)
+
+
+def signed(value: float, spec: str = ".3g") -> str:
+    """``value`` with its sign, never "-0": a difference that rounds to zero is printed "+0" (or "+0.0")."""
+    text = f"{value:+{spec}}"
+    return "+" + text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
 def _short(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
@@ -180,9 +195,15 @@ def claim(id: str, kind: str, source: str, statement: str, paper_value, our_valu
                      must_hold=False, origin=origin, why_not_comparable=precondition[1])
     # A rule that raises is a bug in the chapter (a value of the wrong type, a missing gate): it propagates, so
     # the build stops instead of printing "does not hold" for a claim that was never tested.
+    if _not_finite(tested):
+        # No number was measured (a division by zero, an empty selection): a check of our code fails, a claim
+        # about the paper is not comparable, since "does not hold" would read as evidence against it.
+        if must_hold:
+            return Claim(id, kind, source, statement, paper_value, our_value, rule.text, False, must_hold=True,
+                         origin=origin)
+        return Claim(id, kind, source, statement, paper_value, our_value, rule.text, NOT_COMPARABLE,
+                     origin=origin, why_not_comparable=f"the measured value is {_short(_plain(tested))}, not a number")
     holds = rule(tested)
-    if isinstance(tested, float) and not math.isfinite(tested):
-        holds = False
     return Claim(id, kind, source, statement, paper_value, our_value, rule.text, holds, must_hold=must_hold,
                  origin=origin)
 
@@ -259,7 +280,7 @@ class Effect:
 
     def text(self) -> str:
         u = f" {self.units}" if self.units else ""
-        return (f"{self.estimate:+.3g}{u} [{self.low:+.3g}, {self.high:+.3g}] ({self.level:.0%}, {self.test}, "
+        return (f"{signed(self.estimate)}{u} [{signed(self.low)}, {signed(self.high)}] ({self.level:.0%}, {self.test}, "
                 f"{self.items} items, {self.seeds} seed{'s' if self.seeds != 1 else ''})")
 
     def as_dict(self) -> dict:

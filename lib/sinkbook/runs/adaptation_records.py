@@ -35,7 +35,8 @@ def has_headroom(doc: dict, task: str) -> bool:
 def interval_pt(test) -> str:
     """A paired test's effect and interval in points: '+1.2 pt [-0.4, +2.8]'."""
     low, high = test.detail.get("interval", (float("nan"), float("nan")))
-    return f"{100 * test.effect:+.1f} pt [{100 * low:+.1f}, {100 * high:+.1f}]"
+    from ..core.claims import signed
+    return f"{signed(100 * test.effect, '.1f')} pt [{signed(100 * low, '.1f')}, {signed(100 * high, '.1f')}]"
 
 
 def vision_learned(vision_runs: dict) -> tuple[bool, str, dict]:
