@@ -46,6 +46,14 @@ def test_a_sink_without_massive_activation_tests_the_sink_claims_only():
     assert c["bb_theta_layer_pattern"].holds == "not comparable"      # one layer has no layer pattern
 
 
+def test_the_theta_layer_pattern_must_appear_in_every_seed_not_only_in_their_mean():
+    falling = np.array([[1.0], [-1.0]])                                 # early above late
+    c = _by_id(ws.setting_claims(_rows(), theta={0: falling, 1: falling, 2: falling}))
+    assert c["bb_theta_layer_pattern"].holds is True
+    c = _by_id(ws.setting_claims(_rows(), theta={0: 3 * falling, 1: falling, 2: -falling}))   # mean early > late
+    assert c["bb_theta_layer_pattern"].holds is False and "seed 2: -1.00 early" in c["bb_theta_layer_pattern"].our_value
+
+
 def test_massive_activation_statements_need_one_and_much_smaller_means_at_most_half():
     c = _by_id(ws.setting_claims(_rows()))                              # token-0 ratio 1.5: no massive activation
     for gated in ("bb_change_near_one", "bb_compress_falls_with_norm"):

@@ -237,7 +237,8 @@ def test_across_models_orders_by_s():
     for seed in (0, 1):
         runs[(other, "vision", seed)] = {**runs[(M, "vision", seed)],
                                          "tasks": _tasks([0] * 60, [0] * 60, [1] * 40 + [0] * 20)}
-    assert vl.across_models_finding(base, runs, [M, other]).claims[0].holds is True
+    ordered = vl.across_models_finding(base, runs, [M, other]).claims[0]
+    assert ordered.holds is True and ordered.effect["estimate"] > 0 and not missing_effects([ordered])
     assert vl.across_models_finding(base, runs, [M]).claims == []
 
 

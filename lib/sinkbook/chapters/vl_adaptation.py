@@ -100,7 +100,12 @@ WITHIN = Rule.at_least(1.0, "share of (layer, head, query) within the bound")
 # Ours: the expansion's remainder is of relative size ||dW xi|| / ||W xi||; at most 0.1 keeps the O(eps^2) term
 # under about a tenth of the first-order one.
 FIRST_ORDER = Rule.at_most(0.1, "largest ||dW xi|| / ||W xi|| over heads and calibration tokens")
-ORDER = Rule.true("the model with the larger S loses less on the format-sensitive task")
+# "Higher S, smaller loss": paired over the task's items, the loss of the lower-S model minus that of the higher-S
+# model. Ours: the difference must reach the smallest loss the paper counts on the task for any pair (Table 6); the
+# paper's fit predicts a far larger gap for our S values, but on IFEval of 7B pairs, not on our task.
+ORDER_OF_INTEREST = {task: Interest(i.value, f"ours: the smallest loss the paper counts on this task for any pair "
+                                             f"({i.value:g} pt, Table 6)", "pt")
+                     for task, i in LOSS_OF_INTEREST.items()}
 
 
 def _statistical(id: str, source: str, statement: str, paper_value, effect: Effect | None, interest: Interest, *,
@@ -421,21 +426,28 @@ def across_models_finding(base: dict, runs: dict, models: list, task: str = ACRO
                      else float("nan"),
                      "headroom": has_headroom(base[model], task), "learned": vision_learned(runs, model)[0]})
     table = pd.DataFrame(rows).set_index("model")
-    claims = []
+    claims, notes = [], []
     usable = table[table.headroom & table.learned]
     if len(models) >= 2:
-        ok = len(usable) >= 2
+        order = list(usable.sort_values("S (unadapted)", ascending=False).index)
+        losses = {m: (items(base[m], task) - arm_items(runs, m, "vision", task)) for m in order}
+        same_items = len({len(v) for v in losses.values()}) == 1
+        effect = None
+        if len(order) >= 2 and same_items:
+            # loss of the lower-S model minus that of the higher-S one, paired over items: positive = the paper's way
+            test = paired_bootstrap(losses[order[0]], losses[order[-1]], ALPHA)
+            seeds = min(len(seeds_of(runs, m, "vision")) for m in order)
+            effect = paired_effect(test, seeds, paper_direction=+1, scale=100, units="pt")
         column = f"measured {task} change (pt)"
-        order = usable.sort_values("S (unadapted)", ascending=False)
-        holds = ok and bool(order[column].iloc[0] > order[column].iloc[-1])
-        claims.append(claim(
-            "larger_s_loses_less", "measured", f"{SOURCE}, Sec. 3.2",
+        claims.append(_statistical(
+            "larger_s_loses_less", f"{SOURCE}, Sec. 3.2",
             f"under the same recipe, the model with the larger S loses less {task}",
-            "higher S, smaller loss (rho 0.97 over six pairs)",
-            "; ".join(f"{m}: S {r['S (unadapted)']:.2f}, change {r[column]:+.1f} pt" for m, r in table.iterrows()),
-            ORDER, value=holds, precondition=(ok, f"needs two models that learned the image task and have {task} "
-                                                  f"headroom")))
-    notes = [f"{m}: S {r['S (unadapted)']:.2f} on the unadapted model, QK-norm {r['QK-norm']}." for m, r in table.iterrows()]
+            "higher S, smaller loss (rho 0.97 over six pairs)", effect, ORDER_OF_INTEREST[task],
+            precondition=(len(order) >= 2, f"needs two models that learned the image task and have {task} headroom"),
+            why_none=f"the models were scored on different {task} items" if len(order) >= 2 else ""))
+        notes.append("Across models: " + "; ".join(f"{m}: S {r['S (unadapted)']:.2f}, change {r[column]:+.1f} pt"
+                                                   for m, r in table.iterrows()) + ".")
+    notes += [f"{m}: S {r['S (unadapted)']:.2f} on the unadapted model, QK-norm {r['QK-norm']}." for m, r in table.iterrows()]
     if len(table) >= 2:
         strongest = table["S (unadapted)"].idxmax()
         notes.append(f"{strongest} has the strongest sink of the {len(table)} models.")
