@@ -203,6 +203,7 @@ def test_command_line_adapts_and_evaluates(tmp_path, capsys):
                  "--probe-items", "2", "--out", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert {"S", "heldout_loss", "vision_accuracy"} <= set(summary["before"]) and summary["after"]["step"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["model", "run.json"]        # no lock file left behind
     assert main(["evaluate", str(out / "model"), "--arithmetic", "2", "--knowledge", "2", "--ifeval", "0",
                  "--vision", "3", "--json"]) == 0
     tasks = json.loads(capsys.readouterr().out)["tasks"]

@@ -368,3 +368,38 @@ def test_notebooks_run_without_the_kernels_tcp_warning(tmp_path):
     assert not list(tmp_path.glob("kernel-ipc*")), "the kernel's sockets landed in the working directory"
     if warning not in run("papermill", 1):
         pytest.skip("plain papermill does not warn about TCP with this ipykernel either")
+
+
+def test_a_killed_worker_is_one_line_that_says_how_to_resume():
+    import signal
+    from sinkbook.runs.pool import WorkerDied, run_jobs
+    with pytest.raises(WorkerDied, match=r"killed .* out of memory.* rerun with fewer workers \(workers=1\)") as err:
+        run_jobs(signal.raise_signal, [signal.SIGKILL, signal.SIGKILL], workers=2)   # as the OOM killer would
+    assert "\n" not in str(err.value) and err.value.__cause__ is None
+
+
+def test_staging_files_of_dead_processes_are_removed_and_a_live_writers_kept(tmp_path):
+    import os
+    from sinkbook.core.paths import write_json
+    target = tmp_path / "entry.json"
+    dead, live = tmp_path / "entry.json.99999999.tmp", tmp_path / f"entry.json.{os.getppid()}.tmp"
+    (tmp_path / "entry.json.88888888.tmp").mkdir()               # a model folder staged by a killed save
+    for f in (dead, live, tmp_path / "other.json.99999999.tmp"):
+        f.write_text("half")
+    write_json(target, {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry.json", live.name, "other.json.99999999.tmp"])
+
+
+def test_two_adapt_commands_never_write_one_folder(tmp_path, capsys):
+    import fcntl
+    from sinkbook.book.adapt_cli import LOCK
+    from sinkbook.book.cli import main
+    out = tmp_path / "run"
+    out.mkdir()
+    with open(out / LOCK, "a+") as held:                          # another `sinkbook adapt` is training into it
+        held.write("process 4242")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["adapt", "tiny-llama", "--steps", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "being written by another `sinkbook adapt` (process 4242)" in err and "\n" not in err

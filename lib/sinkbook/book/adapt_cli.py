@@ -3,6 +3,7 @@ text-capability suite on a model or an adapted directory)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -12,14 +13,44 @@ from pathlib import Path
 MODEL_HELP = "built-in name, tiny-<family>, local dir, .gguf file or hub id"
 
 
-def _writable_directory(path: str) -> Path:
-    """The output directory, created now, so that a bad --out fails before minutes of training."""
-    out = Path(path).expanduser()
+LOCK = ".sinkbook-adapt.lock"
+
+
+@contextlib.contextmanager
+def _only_writer(out: Path):
+    """Hold ``out`` for this process while it trains: a second ``sinkbook adapt --out`` to the same folder is refused
+    at once instead of training into it too. An ``flock``, so it goes with the process however that ended."""
+    import fcntl
+    with open(out / LOCK, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise ValueError(f"{out} is being written by another `sinkbook adapt` ({holder}); wait for it to finish "
+                             f"or choose another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            (out / LOCK).unlink(missing_ok=True)        # a finished or failed run leaves no lock file behind
+
+
+def _check_empty_of_runs(out: Path) -> None:
     if (out / "run.json").exists():
         raise ValueError(f"{out} already holds an adapted model; choose another --out or delete that folder first")
     if (out / "model").exists():
         raise ValueError(f"{out} holds an unfinished run (model/ but no run.json, which is written last); delete that "
                          f"folder or choose another --out")
+
+
+def _writable_directory(path: str) -> Path:
+    """The output directory, created now, so that a bad --out fails before minutes of training."""
+    out = Path(path).expanduser()
+    _check_empty_of_runs(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".sinkbook-write-test"
@@ -44,14 +75,17 @@ def cmd_adapt(args) -> int:
     cfg = AdaptConfig(args.model, modality=args.modality, steps=args.steps, lr=args.lr, seed=args.seed,
                       stage1_steps=args.stage1_steps, batch_size=args.batch_size, probe_every=args.steps)
     out = _writable_directory(args.out)
-    try:
-        reference = load_model(args.model, device=args.device)
-    except Exception:
-        if not any(out.iterdir()):           # leave no empty folder behind a failed start
-            out.rmdir()
-        raise
-    probe = AdaptationProbe(reference, arithmetic=args.probe_items, vision=args.probe_items, heldout_windows=2)
-    run = adapt(cfg, probe=probe, device=args.device, use_cache=False, progress=not args.json, out=out)
+    with _only_writer(out):
+        _check_empty_of_runs(out)            # again, now that no other process can be writing it
+        try:
+            reference = load_model(args.model, device=args.device)
+        except Exception:
+            if {p.name for p in out.iterdir()} <= {LOCK}:    # leave no empty folder behind a failed start
+                (out / LOCK).unlink(missing_ok=True)
+                out.rmdir()
+            raise
+        probe = AdaptationProbe(reference, arithmetic=args.probe_items, vision=args.probe_items, heldout_windows=2)
+        run = adapt(cfg, probe=probe, device=args.device, use_cache=False, progress=not args.json, out=out)
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, one process reports
         return 0
     before, after = run.probes[0], run.probes[-1]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from glob import escape as glob_escape
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -79,7 +80,28 @@ def staging(path: str | Path) -> Path:
     """Where to write ``path`` before publishing it with ``os.replace`` (or a directory's rename): a sibling named
     by this process, so two writers never share a temporary file and a reader never sees half of one."""
     path = Path(path)
+    _remove_orphans(path)
     return path.with_name(f"{path.name}.{os.getpid()}.tmp")
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete the staging files of ``path`` left by processes that no longer run (a killed build): they can never
+    be published, and each may hold a model's weights."""
+    import shutil
+    for left in path.parent.glob(f"{glob_escape(path.name)}.*.tmp"):
+        pid = left.name[len(path.name) + 1:-len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True) if left.is_dir() else left.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:         # another user's process: alive
+        return True
+    return True
 
 
 def write_json(path: str | Path, doc, strict: bool = True) -> Path:

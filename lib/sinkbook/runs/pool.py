@@ -48,6 +48,18 @@ def run_jobs(job_fn: Callable[[dict], object], jobs: list[dict], workers: int) -
         return [job_fn(job) for job in jobs]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                             initializer=_worker_start, initargs=(os.getpid(),)) as pool:
-        return list(pool.map(job_fn, jobs))
+    from concurrent.futures.process import BrokenProcessPool
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
+                                 initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+            return list(pool.map(job_fn, jobs))
+    except BrokenProcessPool:
+        # A worker was killed from outside (most often the kernel's out-of-memory killer): its traceback is lost,
+        # so say what the user can do. Finished jobs are already in the run cache; a rerun resumes from them.
+        raise WorkerDied(f"a worker process was killed while running {len(jobs)} job(s) (most often the system ran "
+                         f"out of memory: check `dmesg`); finished runs are cached, so rerun with fewer workers "
+                         f"(workers={max(1, workers - 1)}) to resume") from None
+
+
+class WorkerDied(RuntimeError):
+    """A pool worker ended without reporting (killed by a signal): a one-line error for the user."""
