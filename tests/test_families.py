@@ -174,10 +174,27 @@ def _direct_gaps(model, ids):
     out = []
     for probs in _eager_attentions(model, ids):
         top = probs.double().max(-1).values
-        gap = torch.log(top / (1 - top))
+        # with learned sink logits (gpt-oss) eager rows sum to less than 1: G is over the keys, so the competitors'
+        # mass is the row's sum less the top key's, not 1 less it
+        rest = probs.double().sum(-1) - top if arch_for(model).sinks else 1 - top
+        gap = torch.log(top / rest)
         gap[:, :, 0] = float("nan")
         out.append(gap.float())
     return out
+
+
+def test_a_learned_sink_is_reported_beside_s_over_the_keys(ids):
+    model = _model("gpt_oss")
+    learned = {}
+    gaps_for_batch(model, {"input_ids": ids}, layers=None, learned_sink=learned)
+    for layer, probs in enumerate(_eager_attentions(model, ids)):
+        share, with_sink = learned[layer]
+        torch.testing.assert_close(share, 1 - probs.sum(-1), rtol=1e-4, atol=1e-5)      # the column eager drops
+        top = torch.maximum(probs.max(-1).values, 1 - probs.sum(-1)).double()
+        expected = torch.log(top / (1 - top)).float()
+        conditioned = expected < 9.0               # as in the test below: past that, a rounds to 1 in float32
+        assert conditioned.float().mean() > 0.5
+        torch.testing.assert_close(with_sink[conditioned], expected[conditioned], rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("family", ALL)

@@ -63,3 +63,19 @@ def test_theorem1_bound_holds_on_a_small_update(loaded_model):
     result = theorem1_on_update(loaded.model, _adapted(loaded.model, scale=0.01), _batch(loaded.tokenizer))
     assert result["form"] == "eq4"
     assert ((result["rows"].B_projection / result["rows"].bound) <= 1 + 1e-4).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_first_order_regime_is_the_largest_relative_change_of_a_projection(family, loaded_model):
+    from sinkbook.measures.margins import first_order_regime
+    loaded = loaded_model(f"tiny-{family}")
+    reference, arch = loaded.model, arch_for(loaded.model)
+    batch, layers = _batch(loaded.tokenizer), window_layers(loaded.model)
+    assert first_order_regime(reference, copy.deepcopy(reference), batch, layers) == 0.0
+    scaled = copy.deepcopy(reference)
+    with torch.no_grad():                       # dW = 0.1 W on one layer's keys: ||dW x|| / ||W x|| = 0.1 exactly
+        get_module(decoder_layers(scaled)[layers[-1]], arch.k_proj).weight.mul_(1.1)
+    assert first_order_regime(reference, scaled, batch, layers) == pytest.approx(0.1, rel=1e-4)
+    moved = _adapted(reference, scale=0.05)     # random moves: positive, and larger for larger moves
+    assert 0 < first_order_regime(reference, moved, batch, layers) < first_order_regime(
+        reference, _adapted(reference, scale=0.5), batch, layers)

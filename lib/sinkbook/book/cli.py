@@ -115,6 +115,9 @@ def cmd_strength(args) -> int:
     print(f"window           last {window} layers{note}, {out['n_gaps']} (layer, head, query) gaps")
     print(f"Sink Strength S  {out['S']:.3f}   (mean G {out['mean_G']:.3f})")
     print("G quantiles      " + "  ".join(f"{k} {v:.2f}" for k, v in q.items()))
+    if "learned_sink_share" in out:
+        print(f"learned sink     {out['learned_sink_share']:.3f} of the attention goes to the learned sink logits "
+              f"(no key); S with it counted as a key {out['S_with_learned_sink']:.3f}")
     print(f"strong sinks     {100 * out['strong_fraction']:.1f}% of gaps have G > {STRONG_SINK_G:g}")
     print(f"time             {out['seconds']:.2f} s for S, {out['load_seconds']:.2f} s loading, "
           f"{out['total_seconds']:.2f} s in all")

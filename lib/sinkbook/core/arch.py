@@ -360,9 +360,6 @@ def capability_problem(model, capability: str) -> str | None:
     if capability not in CAPABILITIES:
         raise ValueError(f"unknown capability {capability!r}; known: {', '.join(CAPABILITIES)}")
     spec = arch_for(model)
-    if capability == "sink strength" and spec.sinks:
-        return ("its learned sink logits take attention outside every key, and G is defined on the keys alone; "
-                "the attention pattern (capture) includes them")
     if capability == "gradient probes" and spec.parallel:
         return ("attention and MLP run in parallel on the layer input, so there is no residual stream between "
                 "the branches (resid_mid) for the probes' h^{l+1/2}")

@@ -219,6 +219,31 @@ def _bound(form, model, block, arch, xi, real, wq, wk, eps, sink, logits, groups
     return per_head[None, :, None].expand(sink.shape)
 
 
+def first_order_regime(reference, adapted, batch: dict, layers) -> float:
+    """How far an update is from the first-order regime Theorem 1 assumes: the largest ||dW x|| / ||W x|| over the
+    window ``layers``, the query and key projections of every head and every real calibration token x (the input
+    of the reference's attention), with dW the adapted minus the reference weight. Under 0.1 the expansion's
+    second-order term is about a tenth of the first-order one or less."""
+    arch = arch_for(reference)
+    cfg = text_config(reference)
+    heads = {arch.q_proj: cfg.num_attention_heads, arch.k_proj: cfg.num_key_value_heads}
+    real = batch["attention_mask"].bool().cpu()
+    with torch.no_grad(), capture(reference, points=("attn_in",), layers=layers, stop_early=True) as cap:
+        reference(**batch, use_cache=False)
+    worst = 0.0
+    for layer in layers:
+        x = cap["attn_in", layer].float().cpu()
+        x = x[real[:, -x.shape[1]:]]                                                    # (N, D) real tokens
+        block_ref, block_new = decoder_layers(reference)[layer], decoder_layers(adapted)[layer]
+        for name, h in heads.items():
+            w = _head_rows(get_module(block_ref, name).weight, h)                        # (h, d, D)
+            dw = _head_rows(get_module(block_new, name).weight, h).to(w.device) - w
+            ratio = torch.einsum("hdD,nD->hnd", dw, x).norm(dim=-1) / \
+                torch.einsum("hdD,nD->hnd", w, x).norm(dim=-1).clamp_min(1e-12)
+            worst = max(worst, float(ratio.max()))
+    return worst
+
+
 def theorem1_summary(result: dict) -> dict:
     """Share of (layer, head, query) whose projection-only change stays within the bound, and how tight it is."""
     rows = result["rows"]

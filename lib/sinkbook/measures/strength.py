@@ -150,8 +150,13 @@ class StrengthResult:
                 "seconds": self.seconds, **self.info}
 
 
-def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
-    """Run one forward pass and return ({layer: G (B,H,T)}, {layer: argmax key (B,H,T)}) for ``layers``."""
+def gaps_for_batch(model, batch: dict, layers=None, learned_sink: dict | None = None) -> tuple[dict, dict]:
+    """Run one forward pass and return ({layer: G (B,H,T)}, {layer: argmax key (B,H,T)}) for ``layers``.
+
+    A model with learned sink logits (gpt-oss) puts part of each row's attention on a column that is no key. G keeps
+    its definition over the keys (the sink's share scales every key alike, so the keys' ratios are untouched);
+    given a dict, ``learned_sink`` receives {layer: (share of the learned sink (B,H,T), G with the learned sink
+    counted as one more key (B,H,T))}, NaN at padded queries."""
     require(model, "sink strength")
     n_layers = layer_count(model)
     layers = list(range(n_layers)) if layers is None else sorted({(x + n_layers) % n_layers for x in layers})
@@ -167,6 +172,13 @@ def gaps_for_batch(model, batch: dict, layers=None) -> tuple[dict, dict]:
         gap, argmax = gap_from_logits(logits)
         gap = gap.masked_fill(~real[:, None, -gap.shape[-1]:], float("nan"))
         gaps[call.layer], keys[call.layer] = gap, argmax
+        if learned_sink is not None and call.sinks is not None:
+            column = call.sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+            both = torch.cat([logits, column], dim=-1)
+            share = torch.softmax(both, dim=-1)[..., -1]
+            queries = real[:, None, -share.shape[-1]:]
+            learned_sink[call.layer] = (share.masked_fill(~queries, float("nan")),
+                                        gap_from_logits(both)[0].masked_fill(~queries, float("nan")))
         return None                                                # the attention output is left as it is
 
     edits = {("attn", layer): reduce_layer for layer in layers}
@@ -196,8 +208,12 @@ def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=N
     width = max(b["input_ids"].shape[1] for b in encoded)
     for batch in encoded:                        # every batch, before the first forward pass
         check_input_fits(loaded, batch["attention_mask"])
+    shares, with_sink = [], []
     for batch in encoded:
-        g, k = gaps_for_batch(loaded.model, batch, layers)
+        learned = {}
+        g, k = gaps_for_batch(loaded.model, batch, layers, learned)
+        shares += [v[0][torch.isfinite(v[0])].flatten() for v in learned.values()]
+        with_sink += [v[1][torch.isfinite(v[1])].flatten() for v in learned.values()]
         pad = width - batch["input_ids"].shape[1]                  # re-pad on the left so chunks stack
         for layer in g:
             gaps.setdefault(layer, []).append(torch.nn.functional.pad(g[layer].cpu(), (pad, 0), value=float("nan")))
@@ -205,9 +221,13 @@ def sink_strength(loaded, prompts: list[str], chat: bool | None = None, layers=N
         masks.append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (pad, 0), value=0))
     seconds = time.perf_counter() - start
     used_chat = bool(getattr(loaded.tokenizer, "chat_template", None)) if chat is None else bool(chat)
+    info = {"model": loaded.spec, "n_prompts": len(prompts), "chat": used_chat}
+    if shares:                 # learned sink logits: how much attention they take, and S if they counted as a key
+        info["learned_sink_share"] = float(torch.cat(shares).mean())
+        info["S_with_learned_sink"] = float(torch.cat(with_sink).median())
     return StrengthResult({layer: torch.cat(v) for layer, v in gaps.items()},
                           {layer: torch.cat(v) for layer, v in keys.items()}, n_layers, torch.cat(masks),
-                          seconds, {"model": loaded.spec, "n_prompts": len(prompts), "chat": used_chat})
+                          seconds, info)
 
 
 # ---- robustness sweeps (VL paper App. D.1, E.4) -------------------------------------------------------------

@@ -26,7 +26,8 @@ from ..core.profiles import Profiles
 from ..core.prompts import prompt_texts
 from ..interventions.merging import merge_models
 from ..interventions.qknorm import fix_qk_norm, inject_qk_norm
-from ..measures.margins import sink_state, theorem1_on_update, theorem1_summary, window_layers
+from ..measures.margins import (first_order_regime, sink_state, theorem1_on_update, theorem1_summary,
+                                window_layers)
 from ..measures.textsuite import heldout_loss, run_suite
 from ..training.adapt import AdaptConfig, adapt, load_run, run_dir
 from ..training.corpus import heldout_text_windows
@@ -138,6 +139,7 @@ def _run_job(job: dict) -> str:
 def _train_and_evaluate(job: dict, cfg, tag: str, spec: dict, device: str) -> str:
     path = run_dir(cfg, tag) / f"eval-{cache_key(spec)}.json"
     if path.exists():
+        _add_first_order_regime(path, cfg, spec, device)
         return str(path)
     reference = load_model(cfg.model, device=device)
     probe = AdaptationProbe(reference, window=job["probe"]["window"], arithmetic=job["probe"]["arithmetic"],
@@ -152,7 +154,22 @@ def _train_and_evaluate(job: dict, cfg, tag: str, spec: dict, device: str) -> st
                    "history": [{k: h[k] for k in ("stage", "step", "loss")} for h in run.history],
                    "directory": str(run.directory / "model")})
     _write(path, result)
+    _add_first_order_regime(path, cfg, spec, device)
     return str(path)
+
+
+def _add_first_order_regime(path: Path, cfg, spec: dict, device: str) -> None:
+    """Theorem 1's regime check (``max_relative_change``) added to a run's evaluation record, from the saved run:
+    a fresh record and one evaluated before the check existed get it the same way, so the two are equal."""
+    doc = json.loads(path.read_text())
+    if "theorem1" not in doc or "max_relative_change" in doc["theorem1"]:
+        return
+    reference = load_model(cfg.model, device=device)
+    adapted = load_run(path.parent, device=device).loaded
+    batch = {k: v.to(reference.device) for k, v in encode(reference.tokenizer, prompt_texts()).items()}
+    layers = window_layers(reference.model, spec["window"])
+    doc["theorem1"]["max_relative_change"] = first_order_regime(reference.model, adapted.model, batch, layers)
+    _write(path, doc)
 
 
 def _start_job(job: dict, spec: dict, device: str) -> str:
