@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from sinkbook.book.results import OUTCOMES, load_all_results, outcome
-from sinkbook.core.claims import KINDS, Claim, missing_effects
+from sinkbook.core.claims import KINDS, Claim, missing_effects, signed
 
 
 def counts(results: list[dict]) -> dict[tuple[str, str], dict[str, int]]:
@@ -32,7 +32,7 @@ def _effect(c: dict) -> str:
     e, i = c.get("effect"), c.get("interest")
     if not e:
         return ""
-    text = f"{e['estimate']:+.3g} [{e['low']:+.3g}, {e['high']:+.3g}] {e.get('units', '')}".rstrip()
+    text = f"{signed(e['estimate'])} [{signed(e['low'])}, {signed(e['high'])}] {e.get('units', '')}".rstrip()
     return text + (f"; interest {i['value']:g} ({i['source']})" if i else "")
 
 
