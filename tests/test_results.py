@@ -192,3 +192,22 @@ def test_a_claim_id_in_two_results_files_stops_the_build_in_one_line(tmp_path, m
     with pytest.raises(SystemExit, match="a \\(one, two\\)"):
         build._build("quick", None, "cpu")
     assert (tmp_path / "one.json").exists() and (tmp_path / "two.json").exists()
+
+
+def test_compare_results_lists_every_moved_claim_and_the_counts(tmp_path, capsys):
+    import importlib.util
+    from sinkbook.core.paths import REPO_ROOT
+    spec = importlib.util.spec_from_file_location("compare_results", REPO_ROOT / "scripts" / "compare_results.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    before, after = tmp_path / "before", tmp_path / "after"
+    write_results("demo", {}, _claims(), directory=before)
+    moved = [c if c.id != "b" else Claim("b", "recomputed", "OutRo, Table 7", "overhead", 1.11, 1.05, "<= 1.10", True)
+             for c in _claims()]
+    write_results("demo", {}, moved, directory=after)
+    assert compare.main([str(before), str(after)]) == 0
+    out = capsys.readouterr().out
+    assert "| demo | recomputed | 0 / 1 / 0 / 0; 0 | 1 / 0 / 0 / 0; 0 |" in out
+    assert "1 claim(s) changed" in out and "- `b` (demo): does not hold -> holds; 1.3 -> 1.05" in out
+    with pytest.raises(SystemExit):
+        compare.main([str(before), str(tmp_path / "missing")])
