@@ -1,6 +1,6 @@
 """Capturing every layer's attention pattern: sinkbook against its peers, as ratios against a plain SDPA forward.
 
-    .venv/bin/python scripts/bench_peers.py [--model smollm2-135m-instruct] [--repeats 5]
+    .venv/bin/python scripts/bench_peers.py [--model smollm2-135m-instruct] [--repeats 3]
 
 One torch thread. Over the 15 calibration prompts (one forward per prompt, chat template), each repeat times,
 interleaved so that drift in the machine's load hits all alike:
@@ -14,7 +14,8 @@ interleaved so that drift in the machine's load hits all alike:
 
 Every method keeps all layers' (1, H, T, T) patterns of a prompt until the next prompt. Before timing, the
 patterns of each method are checked against eager's on every prompt and layer (max |difference| printed, must
-be <= 1e-5). Reported: median seconds over the repeats and the ratio of medians to ``plain``.
+be <= 1e-5). Reported: median CPU seconds (one thread: the work done, whatever else shares the machine) and
+median wall seconds over the repeats, each with its ratio of medians to ``plain``.
 """
 from __future__ import annotations
 
@@ -94,18 +95,20 @@ def transformer_lens_runner(loaded):
     return run, None
 
 
-def timed(fn, model, batches) -> float:
-    start = time.perf_counter()
+def timed(fn, model, batches) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one pass over the batches. With one thread the CPU time is the work done;
+    on a machine shared with other jobs the wall clock also counts the time this process was not scheduled."""
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for batch in batches:
             fn(model, batch)
-    return time.perf_counter() - start
+    return time.process_time() - cpu, time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model, device="cpu")
@@ -153,16 +156,20 @@ def main() -> None:
         print(f"max |pattern - eager| {name:<17} {diff:.2e}  (every prompt and layer)")
         assert diff <= TOLERANCE, f"{name}'s patterns differ from eager's by {diff:.2e} > {TOLERANCE:g}"
 
-    seconds = {name: [] for name in methods}
+    cpu = {name: [] for name in methods}
+    wall = {name: [] for name in methods}
     for _ in range(args.repeats):
         for name, (fn, on, context) in methods.items():
             with context():
-                seconds[name].append(timed(fn, on, batches))
-    plain = statistics.median(seconds["plain"])
-    print(f"{'method':<18}{'median s':>10}{'ratio':>8}   per-repeat ratios")
-    for name, values in seconds.items():
-        ratios = " ".join(f"{v / p:.2f}" for v, p in zip(values, seconds["plain"]))
-        print(f"{name:<18}{statistics.median(values):>10.3f}{statistics.median(values) / plain:>8.2f}   {ratios}")
+                c, w = timed(fn, on, batches)
+            cpu[name].append(c)
+            wall[name].append(w)
+    plain_cpu, plain_wall = statistics.median(cpu["plain"]), statistics.median(wall["plain"])
+    print(f"{'method':<18}{'CPU s':>8}{'ratio':>8}{'wall s':>9}{'ratio':>8}   per-repeat CPU ratios")
+    for name in methods:
+        c, w = statistics.median(cpu[name]), statistics.median(wall[name])
+        ratios = " ".join(f"{v / p:.2f}" for v, p in zip(cpu[name], cpu["plain"]))
+        print(f"{name:<18}{c:>8.2f}{c / plain_cpu:>8.2f}{w:>9.2f}{w / plain_wall:>8.2f}   {ratios}")
     for name, why in skipped.items():
         print(f"{name:<18}{'skipped':>10}   {why}")
 
