@@ -103,6 +103,18 @@ def test_padding_and_first_token_are_excluded(loaded_model):
         assert torch.isnan(short[:, 0]).all()                   # the first real token sees only itself
 
 
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-gemma3"])
+def test_query_blocks_give_the_gaps_of_the_whole_layer(loaded_model, spec, monkeypatch):
+    loaded = loaded_model(spec)
+    whole = sink_strength(loaded, TEXTS, layers="all")          # padded batch, one block per layer
+    monkeypatch.setattr(sinkstrength, "QUERY_BLOCK", 3)         # many blocks, the last one short
+    blocked = sink_strength(loaded, TEXTS, layers="all")
+    for layer, g in whole.gaps.items():
+        # a block is a smaller matmul: float32 rounding may differ in the last bit
+        torch.testing.assert_close(blocked.gaps[layer], g, rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert torch.equal(blocked.sink_keys[layer], whole.sink_keys[layer])
+
+
 def test_window_selection_and_statistics(loaded_model):
     loaded = loaded_model("tiny-llama")
     result = sink_strength(loaded, TEXTS, layers="all")

@@ -90,28 +90,33 @@ class AttentionCall:
     def groups(self) -> int:
         return self.query.shape[1] // self.key.shape[1]
 
-    def visible(self) -> torch.Tensor:
-        """Boolean (B or 1, 1, T, S): which keys each query may attend to (causal, window, padding)."""
+    def visible(self, queries: slice = slice(None)) -> torch.Tensor:
+        """Boolean (B or 1, 1, T, S): which keys each query may attend to (causal, window, padding); ``queries``
+        keeps a block of query rows."""
         T, S = self.query.shape[2], self.key.shape[2]
         if self.attention_mask is not None and self.attention_mask.dtype == torch.bool:
-            return self.attention_mask[..., -S:]
-        q_pos = torch.arange(S - T, S, device=self.query.device)[:, None]
+            mask = self.attention_mask[..., -S:]
+            return mask[..., queries, :] if mask.shape[-2] == T else mask
+        q_pos = torch.arange(S - T, S, device=self.query.device)[queries, None]
         k_pos = torch.arange(S, device=self.query.device)[None, :]
         visible = k_pos <= q_pos
         if self.sliding_window:
             visible = visible & (k_pos > q_pos - self.sliding_window)
         visible = visible[None, None]
         if self.attention_mask is not None:  # additive float mask
-            visible = visible & (self.attention_mask[..., -S:] > torch.finfo(self.attention_mask.dtype).min / 2)
+            mask = self.attention_mask[..., -S:]
+            mask = mask[..., queries, :] if mask.shape[-2] == T else mask
+            visible = visible & (mask > torch.finfo(self.attention_mask.dtype).min / 2)
         return visible
 
-    def logits(self) -> torch.Tensor:
-        """(B, H, T, S) pre-softmax scores with masked entries at -inf, in float32."""
+    def logits(self, queries: slice = slice(None)) -> torch.Tensor:
+        """(B, H, T, S) pre-softmax scores with masked entries at -inf, in float32. ``queries``: only that block of
+        query rows, (B, H, rows, S), so a reduction over blocks never holds a whole T x S per head."""
         key = self.key.float().repeat_interleave(self.groups, dim=1)
-        scores = torch.matmul(self.query.float(), key.transpose(-1, -2)) * self.scaling
+        scores = torch.matmul(self.query[:, :, queries].float(), key.transpose(-1, -2)) * self.scaling
         if self.softcap:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        return scores.masked_fill(~self.visible(), float("-inf"))
+        return scores.masked_fill(~self.visible(queries), float("-inf"))
 
     def probabilities(self) -> torch.Tensor:
         """(B, H, T, S) attention probabilities, as eager attention would return them (float32).

@@ -32,6 +32,7 @@ from ..core.arch import require
 from ..core.hooks import capture, intervene
 
 DEFAULT_WINDOW = 10
+QUERY_BLOCK = 256        # query rows whose logits are formed at once (a memory bound, not a result)
 STRONG_SINK_G = 2.0      # G > 2 means the favourite key takes > 88% of the head's attention
 WINDOWS_E4 = (3, 5, 10, 15, 20)            # the last-K windows of VL App. E.4
 THIRDS = ("early", "middle", "late")       # equal thirds of the decoder (VL Table 13)
@@ -164,21 +165,28 @@ def gaps_for_batch(model, batch: dict, layers=None, learned_sink: dict | None = 
     real = mask.bool() if mask is not None else torch.ones_like(batch["input_ids"], dtype=torch.bool)
     gaps, keys = {}, {}
 
-    def reduce_layer(call):
-        logits = call.logits()                                     # (B, H, T, S), masked at -inf
+    def reduce_block(call, rows: slice):
+        logits = call.logits(rows)                                 # (B, H, rows, S), masked at -inf
         S = logits.shape[-1]
-        key_real = real[:, None, None, -S:]
-        logits = logits.masked_fill(~key_real, float("-inf"))
+        logits = logits.masked_fill(~real[:, None, None, -S:], float("-inf"))
+        queries = real[:, None, -call.query.shape[2]:][..., rows]  # (B, 1, rows): real query positions
         gap, argmax = gap_from_logits(logits)
-        gap = gap.masked_fill(~real[:, None, -gap.shape[-1]:], float("nan"))
-        gaps[call.layer], keys[call.layer] = gap, argmax
+        out = [gap.masked_fill(~queries, float("nan")), argmax]
         if learned_sink is not None and call.sinks is not None:
             column = call.sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
             both = torch.cat([logits, column], dim=-1)
-            share = torch.softmax(both, dim=-1)[..., -1]
-            queries = real[:, None, -share.shape[-1]:]
-            learned_sink[call.layer] = (share.masked_fill(~queries, float("nan")),
-                                        gap_from_logits(both)[0].masked_fill(~queries, float("nan")))
+            out += [torch.softmax(both, dim=-1)[..., -1].masked_fill(~queries, float("nan")),
+                    gap_from_logits(both)[0].masked_fill(~queries, float("nan"))]
+        return out
+
+    def reduce_layer(call):
+        # Query blocks: the layer's (B, H, T, S) logits are never whole, so memory grows with T, not T^2.
+        T = call.query.shape[2]
+        blocks = [reduce_block(call, slice(i, i + QUERY_BLOCK)) for i in range(0, T, QUERY_BLOCK)]
+        parts = [torch.cat(p, dim=-1) for p in zip(*blocks)]
+        gaps[call.layer], keys[call.layer] = parts[0], parts[1]
+        if len(parts) > 2:
+            learned_sink[call.layer] = (parts[2], parts[3])
         return None                                                # the attention output is left as it is
 
     edits = {("attn", layer): reduce_layer for layer in layers}
