@@ -32,7 +32,7 @@ from ..figures.outro import alignment_figure, redistribution_figure, rotation_st
 from ..interventions.outro import default_layers
 from ..measures.decoding import OUTRO_PAPER_OVERHEAD, OVERHEAD_TARGET
 from ..measures.regression import pearson
-from ..measures.stats import mcnemar_exact, min_pairs_to_decide, paired_bootstrap, paired_effect
+from ..measures.stats import effect_in_points, mcnemar_exact, min_pairs_to_decide, paired_bootstrap, paired_effect
 from ..runs.outro_text import CONTENT, CONTROLS, DELIMITER, N_PROMPTS, OutRoTextRuns, SINK, ifeval_options
 from .base import Chapter, all_of, finding
 
@@ -342,11 +342,6 @@ def _paired(settings: dict, first: str, second: str):
     return mcnemar_exact(a[graded].astype(bool), b[graded].astype(bool), ALPHA)
 
 
-def _points(test) -> Effect:
-    """A McNemar test's effect in percentage points, positive = the second setting passes more."""
-    return paired_effect(test, seeds=1, scale=100, units="pt")
-
-
 def _compliance_precondition(spec: str, m: dict) -> tuple[bool, str]:
     base = m["settings"]["baseline"]["summary"]
     rate, n = base["prompt_level_strict"], base["prompts_graded"]
@@ -393,7 +388,7 @@ def compliance_finding(measured: dict[str, dict], gamma: float, max_new_tokens: 
                    f"{test.p_value:.3g}; {test.n} prompts)")
             notes.append(f"{spec}: strict prompt-level compliance {our} with OutRo (gamma = {gamma:g}, rotation and "
                          f"relaxation), {max_new_tokens} new tokens.")
-            claims.append(statistical(f"ifeval_{slug(spec)}", source, statement, paper, _points(test), IFEVAL_INTEREST))
+            claims.append(statistical(f"ifeval_{slug(spec)}", source, statement, paper, effect_in_points(test), IFEVAL_INTEREST))
         else:
             notes.append(f"{spec}: not tested ({why}).")
             # no second setting ran, so there is no effect: the claim states its interest and what is missing
@@ -448,7 +443,7 @@ def direction_controls_finding(losses: dict[str, dict], compliance: dict[str, di
                          f"prompt-level compliance): {spec}")
             if ok:
                 claims.append(statistical(cid, source, statement, "sink > random token > head mean",
-                                          _points(tests[kind]), CONTROL_INTEREST[kind]))
+                                          effect_in_points(tests[kind]), CONTROL_INTEREST[kind]))
             else:
                 claims.append(Claim(cid, "measured", source, statement, "sink > random token > head mean", "not run",
                                     CONTROL_INTEREST[kind].rule_text(1 - ALPHA), "not comparable",

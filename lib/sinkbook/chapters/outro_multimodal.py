@@ -39,7 +39,7 @@ from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above, between, each
 from ..figures.outro_multimodal import (norms_figure, pruning_figure, relaxation_figure, rotation_strength_figure,
                                         sink_attention_figure)
-from ..measures.stats import mcnemar_exact, min_pairs_to_decide, paired_effect
+from ..measures.stats import effect_in_points, mcnemar_exact, min_pairs_to_decide
 from ..runs import adaptation as adaptation_jobs
 from ..runs.adaptation_records import vision_learned
 from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_adapted
@@ -142,12 +142,6 @@ def _paired(m: dict, first: str, second: str):
     return mcnemar_exact(m["test"][first], m["test"][second], ALPHA)
 
 
-def _points(test, paper_direction: int = +1):
-    """A McNemar test's effect in accuracy points; ``paper_direction=-1`` when the paper says the second setting is
-    worse."""
-    return paired_effect(test, seeds=1, paper_direction=paper_direction, scale=100, units="pt")
-
-
 def _describe(test) -> str:
     d = test.detail
     return (f"{d['rate_first']:.3f} -> {d['rate_second']:.3f} ({signed(100 * test.effect, '.1f')} pt; {d['only_first']} lost, "
@@ -221,12 +215,12 @@ def gamma_claim(measured: dict[str, dict], usable: dict[str, float]) -> Claim:
     choices = sorted(set(usable.values()))
     val = lambda spec, g: measured[spec]["val"][f"{g:g}"]
     if len(choices) > 1:      # own choice (second) against each other model's choice (first), per model
-        effects = [_points(mcnemar_exact(val(spec, other), val(spec, own), ALPHA))
+        effects = [effect_in_points(mcnemar_exact(val(spec, other), val(spec, own), ALPHA))
                    for spec, own in usable.items() for other in choices if other != own]
         weakest = min(effects, key=lambda e: e.low)
         holds, caveat = decide(weakest, GAMMA_INTEREST)
     else:                     # one choice for all: refuted only if it wins against every other gamma on each model
-        effects = [_points(mcnemar_exact(val(spec, float(g)), val(spec, own), ALPHA))
+        effects = [effect_in_points(mcnemar_exact(val(spec, float(g)), val(spec, own), ALPHA))
                    for spec, own in usable.items() for g in measured[spec]["val"] if g != "baseline"
                    and float(g) != own]
         weakest = min(effects, key=lambda e: e.low) if effects else None
@@ -255,11 +249,11 @@ def accuracy_finding(measured: dict[str, dict]) -> Finding:
         claims.append(statistical(f"vlm_outro_accuracy_{slug(spec)}", f"{PAPER}, Tables 6 and B.6",
                                   f"OutRo (rotation and relaxation) improves accuracy on held-out visual questions: "
                                   f"{spec}", "+0.11 to +1.47 pt on 8 of 9 VLM benchmarks, one -0.15 (Table B.6)",
-                                  _points(tests["outro"]), OUTRO_INTEREST, precondition=gate))
+                                  effect_in_points(tests["outro"]), OUTRO_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_rotation_accuracy_{slug(spec)}", f"{PAPER}, Table 5 and Table B.7",
                                   f"rotation alone improves accuracy on held-out visual questions: {spec}",
                                   "consistent gains; +0.39 to +0.88 pt on Qwen2.5-Omni 3B (Table B.7)",
-                                  _points(tests["rotate"]), ROTATION_INTEREST, precondition=gate))
+                                  effect_in_points(tests["rotate"]), ROTATION_INTEREST, precondition=gate))
     return Finding("OutRo on the test questions", claims=claims, table=pd.DataFrame(table) if table else None,
                    notes=notes)
 
@@ -330,16 +324,16 @@ def pruning_finding(measured: dict[str, dict]) -> Finding:
         source = f"{PAPER}, Sec. 5.3, Fig. 9, Table 9"
         claims.append(statistical(f"vlm_sink_query_pruning_{slug(spec)}", source,
                                   f"pruning image tokens by the sink query's attention improves accuracy (keep "
-                                  f"{keep:g}): {spec}", "improves at the relaxation layer (AVHBench)", _points(sink),
+                                  f"{keep:g}): {spec}", "improves at the relaxation layer (AVHBench)", effect_in_points(sink),
                                   UNSTATED_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_random_pruning_hurts_{slug(spec)}", source,
                                   f"pruning image tokens at random lowers accuracy (keep {keep:g}): {spec}",
-                                  "random pruning degrades performance", _points(random, paper_direction=-1),
+                                  "random pruning degrades performance", effect_in_points(random, paper_direction=-1),
                                   UNSTATED_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_sink_query_beats_mean_query_{slug(spec)}",
                                   "ours (a control for the paper's Sec. 5.3)",
                                   f"the sink query picks better image tokens than the question's mean attention (keep "
-                                  f"{keep:g}): {spec}", "not tested in the paper", _points(versus), UNSTATED_INTEREST,
+                                  f"{keep:g}): {spec}", "not tested in the paper", effect_in_points(versus), UNSTATED_INTEREST,
                                   precondition=gate, origin="ours"))
     return Finding("Pruning image tokens by the sink query", claims=claims,
                    table=pd.DataFrame(table) if table else None, figures=[pruning_figure(curves)], notes=notes)
@@ -372,13 +366,13 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
             test = _paired(m, "baseline", name)
             claims.append(statistical(f"vlm_{name}_little_effect_{slug(spec)}", f"{PAPER}, App. A.2, Table A.2",
                                       f"removing the sink dimensions at {what} barely changes accuracy: {spec}",
-                                      f"{paper} (AVHBench)", _points(test), LITTLE_INTEREST,
+                                      f"{paper} (AVHBench)", effect_in_points(test), LITTLE_INTEREST,
                                       precondition=all_of(all_of(gate, massive), others)))
         top1 = _paired(m, "rotate_vlm_top1", "rotate")
         claims.append(statistical(f"vlm_rotation_llm_beats_vlm_top1_{slug(spec)}", f"{PAPER}, App. B.6, Table B.7",
                                   f"rotation toward the Phi_LLM sinks beats rotation toward the top Phi_VLM token: "
                                   f"{spec}", "better in 8 of 8 settings, e.g. AVHBench 64.78 vs 61.90 (Qwen2.5-Omni 3B)",
-                                  _points(top1), TOP1_INTEREST, precondition=all_of(all_of(gate, massive), flagged)))
+                                  effect_in_points(top1), TOP1_INTEREST, precondition=all_of(all_of(gate, massive), flagged)))
         percent = _paired(m, "rotate_vlm_top_percent", "rotate")
         same = (not vlm["top_percent_is_top1"], "every prompt has at most 100 tokens, so its top 1% is one token: the "
                                                 "same setting as the top Phi_VLM token, claimed above")
@@ -386,7 +380,7 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
                                   f"rotation toward the Phi_LLM sinks beats rotation toward the top 1% of Phi_VLM "
                                   f"tokens: {spec}",
                                   "better in 8 of 8 settings, e.g. AVHBench 64.78 vs 60.97 (Qwen2.5-Omni 3B)",
-                                  _points(percent), TOP_PERCENT_INTEREST,
+                                  effect_in_points(percent), TOP_PERCENT_INTEREST,
                                   precondition=all_of(all_of(all_of(gate, massive), flagged), same)))
     return Finding("Which tokens are the sink", claims=claims, table=pd.DataFrame(table) if table else None,
                    notes=notes)
@@ -395,7 +389,7 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
 def collapse_claim(spec: str, removed, accuracy_left: float, chance: float, gate: tuple[bool, str]) -> Claim:
     """Table A.2: removing D_sink at the Phi_LLM sink collapses accuracy (71.60 -> 0.00). At our scale a collapse is
     a fall to chance: the effect of interest is the baseline's margin over chance, in points."""
-    fall = _points(removed, paper_direction=-1)
+    fall = effect_in_points(removed, paper_direction=-1)
     margin = 100 * (removed.detail["rate_first"] - chance)
     cid, source = f"vlm_remove_llm_sink_collapses_{slug(spec)}", f"{PAPER}, App. A.2, Table A.2"
     statement = f"removing the sink dimensions at the Phi_LLM sink collapses accuracy (to chance): {spec}"
@@ -435,7 +429,7 @@ def zero_k_finding(measured: dict[str, dict]) -> Finding:
                      f"chapter, zero_k_*); accuracy {_describe(test)}.")
         claims.append(statistical(f"vlm_zero_k_accuracy_{slug(spec)}", f"{PAPER}, Sec. 3 (Q3), Table 3",
                                   f"zeroing the sink key's top dimension lowers accuracy: {spec}",
-                                  "consistent degradation (Table 3)", _points(test, paper_direction=-1),
+                                  "consistent degradation (Table 3)", effect_in_points(test, paper_direction=-1),
                                   UNSTATED_INTEREST, precondition=gate))
     fig = sink_attention_figure(curves, "Mean attention to the sink key, per layer (Fig. 4)")
     return Finding("Zero-K", claims=claims, table=pd.DataFrame(rows).T if rows else None, figures=[fig], notes=notes)
@@ -513,7 +507,7 @@ def relaxation_finding(measured: dict[str, dict]) -> Finding:
                             "nearly identical to the original", round(lowest, 5), IDENTICAL_RULE, precondition=gate))
         claims.append(statistical(f"vlm_relaxation_accuracy_{slug(spec)}", f"{PAPER}, Sec. 3 (Q3), Table 4",
                                   f"relaxation alone improves accuracy on held-out visual questions: {spec}",
-                                  "consistent gains (Table 4)", _points(test), UNSTATED_INTEREST, precondition=gate))
+                                  "consistent gains (Table 4)", effect_in_points(test), UNSTATED_INTEREST, precondition=gate))
     return Finding("Mask relaxation", claims=claims, table=pd.DataFrame(table).T if table else None,
                    figures=[relaxation_figure(cosines)], notes=notes)
 

@@ -20,7 +20,7 @@ import functools
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.claims import Finding, Rule, check, claim, close_claim, slug
 from ..core.models import REAL_MODELS
 from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least, between
 from ..core.published import (DELTA_HALF_WIDTH, IFEVAL_PROMPTS, PRINT_1DP, PRINT_2DP, PRINT_3DP, SIX_TASK_COLUMNS,
@@ -89,12 +89,6 @@ def envelope_claim(claim_id: str, source: str, statement: str, paper_value: floa
     """A recomputed claim whose our_value shows the value from the printed inputs and its rounding range."""
     return claim(claim_id, "recomputed", source, statement, paper_value, _envelope_text(envelope, inputs),
                  within_rounding(paper_value, printed_half_width, inputs), value=envelope)
-
-
-def close_claim(claim_id: str, kind: str, source: str, statement: str, paper_value: float, our_value: float,
-                tolerance: float, why: str):
-    return claim(claim_id, kind, source, statement, paper_value, float(our_value),
-                 Rule.close_to(paper_value, tolerance, "ours", why))
 
 
 # ---------------------------------------------------------------------------------------------- findings

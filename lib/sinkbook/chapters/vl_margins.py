@@ -13,7 +13,7 @@ import functools
 
 import pandas as pd
 
-from ..core.claims import Finding, Rule, claim
+from ..core.claims import Finding, Rule, claim, close_claim
 from ..core.profiles import Profiles
 from ..core.published import PRINT_1DP, PRINT_3DP, vl_paper_tables
 from ..figures.vl_margins import trajectory_figure
@@ -53,12 +53,6 @@ MARGIN_SPLIT = Rule(f"every per-head pair: {NEAR_ZERO.text}; every no-QK-norm pa
                     lambda m: all(map(NEAR_ZERO, m["per-head"])) and all(map(STRONGLY_NEGATIVE, m["none"])))
 LAYERWISE_NEGATIVE = Rule(f"every layerwise pair: {STRONGLY_NEGATIVE.text} (nats; threshold ours, as above)",
                           lambda margins: all(map(STRONGLY_NEGATIVE, margins)))
-
-
-def close_claim(claim_id: str, kind: str, source: str, statement: str, paper_value: float, our_value: float,
-                tolerance: float, why: str, origin: str = "paper"):
-    return claim(claim_id, kind, source, statement, paper_value, float(our_value),
-                 Rule.close_to(paper_value, tolerance, "ours", why), origin=origin)
 
 
 def arithmetic_check(claim_id: str, source: str, what: str, paper_value: float, our_value: float, tolerance: float,
