@@ -74,7 +74,7 @@ def test_the_registry_row_of_the_guide_is_a_registry_entry():
 def test_the_guide_names_every_layer_and_intervention_module():
     text = GUIDE.read_text()
     package = REPO_ROOT / "lib" / "sinkbook"
-    for layer in ("core", "measures", "interventions", "training", "runs", "chapters", "book"):
+    for layer in ("core", "measures", "interventions", "training", "runs", "figures", "chapters", "book"):
         assert f"`{layer}/`" in text, layer
     interventions = sorted(p.stem for p in (package / "interventions").glob("*.py") if p.stem != "__init__")
     named = {"outro": "OutRo", "vscale": "V-scale", "zero_k": "Zero-K", "qknorm": "QK-norm", "protection":

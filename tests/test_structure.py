@@ -15,7 +15,8 @@ from sinkbook.chapters import CHAPTERS, chapter_names
 from sinkbook.core.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "lib" / "sinkbook"
-LAYERS = {"core": 0, "measures": 1, "interventions": 2, "training": 3, "runs": 4, "chapters": 5, "book": 6}
+LAYERS = {"core": 0, "measures": 1, "interventions": 2, "training": 3, "runs": 4, "figures": 5, "chapters": 6,
+          "book": 7}
 CHAPTER_HELPERS = {"__init__", "base"}          # the registry and the protocol: every chapter module may import them
 MAX_CELL_LINES = 20
 

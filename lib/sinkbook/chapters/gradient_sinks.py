@@ -17,7 +17,9 @@ import pandas as pd
 from ..core.claims import Finding, Rule, check, claim
 from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, SettingsError, above
 from ..core.published import GRADIENT_SINKS_0P3B, reported_0p3b
-from ..interventions.vscale import learned_theta, raw_value_norms, theta_halves, valve_constant
+from ..figures.gradient_sinks import per_layer_figure, ratio_scatter, theta_figure, threshold_figure, training_figure
+from ..figures.panels import path_figure
+from ..interventions.vscale import learned_theta, raw_value_norms, theta_halves
 from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, LOWERS, ProbeResult,
                                    RATIO_MIN, RGS_T_E, SINK_EPS, SINK_MIN, grad_q0_share, lowered,
                                    lowers_precondition, path_norms, path_spikes, sink_check)
@@ -137,24 +139,9 @@ def trend_notes(trajectories: dict[str, pd.DataFrame]) -> list[str]:
     return notes
 
 
-def _threshold_figure(curves: dict[str, pd.DataFrame], columns: tuple, titles: tuple, thresholds: tuple):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=len(columns), subplot_titles=titles)
-    for name, t in curves.items():
-        for col, key in enumerate(columns, start=1):
-            fig.add_trace(go.Scatter(x=t.step, y=t[key], name=name, legendgroup=name, showlegend=col == 1,
-                                     mode="lines+markers"), 1, col)
-    for col, y in enumerate(thresholds, start=1):
-        fig.add_hline(y=y, line_dash="dash", row=1, col=col)
-    fig.update_xaxes(title_text="step")
-    fig.update_layout(height=330)
-    return fig
-
-
 def trajectory_finding(trajectories: dict[str, pd.DataFrame]) -> Finding:
     """Sink, token-0 ratio and largest alpha_0 across each baseline's snapshots, with the thresholds."""
-    fig = _threshold_figure(trajectories, TRAJECTORY_COLUMNS,
+    fig = threshold_figure(trajectories, TRAJECTORY_COLUMNS,
                             ("Sink^eps(0), middle layers", "token-0 ratio (max, middle)",
                              "largest alpha_0 of any head"),
                             (SINK_MIN, RATIO_MIN, SINK_EPS))
@@ -171,7 +158,7 @@ def recorded_runs_finding(long_runs: pd.DataFrame) -> Finding:
     if long_runs.empty:
         return Finding(title, notes=["No recorded runs found under measurements/sink_emergence/."])
     curves = {name: run for name, run in long_runs.groupby("run", sort=False)}
-    fig = _threshold_figure(curves, ("sink_rate_middle", "token0_ratio_middle_max"),
+    fig = threshold_figure(curves, ("sink_rate_middle", "token0_ratio_middle_max"),
                             ("Sink^eps(0), middle layers", "token-0 ratio (max, middle)"), (SINK_MIN, RATIO_MIN))
     last = long_runs.groupby("run", sort=False).tail(1).set_index("run")
     table = last[["data", "step", "tokens (M)", "sink_rate_middle", "token0_ratio_middle_max", "largest_alpha0",
@@ -208,18 +195,13 @@ def training_finding(runs: dict[str, dict]) -> Finding:
 
     ``runs``: {name: {"steps", "train_seconds", "from_cache", "history": [{"step", "loss"}], "evals": [{"step",
     "val_loss"}]}}."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("training loss (50-step mean)", "validation loss"))
-    notes = []
+    notes, losses = [], {}
     for name, r in runs.items():
         h, e = pd.DataFrame(r["history"]), pd.DataFrame(r["evals"])
-        fig.add_trace(go.Scatter(x=h.step, y=h.loss.rolling(50, min_periods=1).mean(), name=f"{name} train"), 1, 1)
-        fig.add_trace(go.Scatter(x=e.step, y=e.val_loss, name=f"{name} val", mode="lines+markers"), 1, 2)
+        losses[name] = (h, e)
         notes.append(f"{name}: {r['steps']} steps in {r['train_seconds'] / 60:.1f} min"
                      f"{' (loaded from cache)' if r['from_cache'] else ''}, final val loss {e.val_loss.iloc[-1]:.4f}")
-    fig.update_layout(height=350, xaxis_title="step", xaxis2_title="step")
-    return Finding("Baseline and V-scale, same data, seed and recipe", figures=[fig], notes=notes)
+    return Finding("Baseline and V-scale, same data, seed and recipe", figures=[training_figure(losses)], notes=notes)
 
 
 def scale_verdict(base_check: dict, size: str) -> str:
@@ -286,20 +268,10 @@ def gradient_sink_finding(probes: dict[str, ProbeResult], val_loss: dict[str, fl
     """Probes of the baseline and the V-scale model on one batch: summary, per-layer figure, V-scale claims.
 
     ``probes`` and ``val_loss`` have the keys "baseline" and "V-scale"; ``size`` names the baseline."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
     summaries = {name: {**p.summary(), "val loss": val_loss[name]} for name, p in probes.items()}
     table = pd.DataFrame(summaries).loc[list(SUMMARY_ROWS)]
     base_check = sink_check(probes["baseline"])
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("R_GS(0; 31) per layer", "token-0 residual norm per layer",
-                                                        "Sink^eps(0) per layer"))
-    for name, p in probes.items():
-        x = list(range(p.n_layers))
-        for col, y in enumerate((p.r_gs(), p.residual_norm[:, 0], p.sink_rate), start=1):
-            fig.add_trace(go.Scatter(x=x, y=y, name=name, mode="lines+markers", legendgroup=name,
-                                     showlegend=col == 1), 1, col)
-    fig.update_xaxes(title_text="layer")
-    fig.update_layout(height=350)
+    fig = per_layer_figure({name: (p.r_gs(), p.residual_norm[:, 0], p.sink_rate) for name, p in probes.items()})
     return Finding("Gradient sinks, massive activations and the attention sink",
                    claims=vscale_claims(summaries["baseline"], summaries["V-scale"], base_check), table=table,
                    figures=[fig], notes=[scale_verdict(base_check, size)],
@@ -307,13 +279,6 @@ def gradient_sink_finding(probes: dict[str, ProbeResult], val_loss: dict[str, fl
 
 
 # ---- query / key / value paths -----------------------------------------------------------------------------
-
-def path_figure(probes: dict[str, ProbeResult]):
-    """Token-wise gradient norms on the query, key and value paths (mean over layers), one panel per model."""
-    import plotly.express as px
-    fig = px.line(path_norms(probes), x="token", y="grad norm", color="path", facet_col="model", log_y=True)
-    return fig.update_layout(height=330).update_xaxes(title_text="token position")
-
 
 def qkv_finding(probes: dict[str, ProbeResult]) -> Finding:
     """Where the gradient goes (Fig. 2 analog): path figure and token-0 spikes per model."""
@@ -323,36 +288,16 @@ def qkv_finding(probes: dict[str, ProbeResult]) -> Finding:
         notes.append(f"{name}: token-0 spike over tokens 1-{RGS_T_E}, key {spike['key']:.1f}x, value "
                      f"{spike['value']:.1f}x; largest |grad q_0| over layers = {p.grad_q[:, 0].max():.1e} "
                      f"({grad_q0_share(p):.1e} of the largest |grad q_t|)")
-    return Finding("Where the gradient goes: query, key and value paths", figures=[path_figure(probes)], notes=notes)
+    return Finding("Where the gradient goes: query, key and value paths", figures=[path_figure(path_norms(probes))], notes=notes)
 
 
 # ---- Bloat / Change / Compress -----------------------------------------------------------------------------
-
-def ratio_scatter(probe: ProbeResult, title: str):
-    """Bloat, Change and Compress of the attention branch against the layer-input norm; token 0 in red."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(12, 3.2))
-    axes = fig.subplots(1, 3)
-    x = np.log10(probe.input_norm)
-    first = np.zeros_like(x, dtype=bool)
-    first[:, :, 0] = True
-    for ax, key in zip(axes, ("bloat", "change", "compress")):
-        y = np.log10(probe.attn_ratios[key])
-        ax.scatter(x[~first], y[~first], s=2, alpha=0.25, color="tab:blue", label="tokens > 0")
-        ax.scatter(x[first], y[first], s=10, color="tab:red", label="token 0")
-        ax.set_xlabel("log10 ||h^l_t||")
-        ax.set_ylabel(f"log10 {key} (attention)")
-    axes[0].legend(loc="best", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
 
 def bloat_finding(probes: dict[str, ProbeResult], size: str) -> Finding:
     """Bloat / Change / Compress against activation norm (Fig. 3 analog), medians for token 0 and the rest."""
     figures, notes = [], []
     for name, p in probes.items():
-        figures.append(ratio_scatter(p, f"{name} ({size})"))
+        figures.append(ratio_scatter(p.input_norm, p.attn_ratios, f"{name} ({size})"))
         b, c = p.attn_ratios["bloat"], p.attn_ratios["compress"]
         notes.append(f"{name}: median Bloat token 0 {np.median(b[:, :, 0]):.2f} vs others "
                      f"{np.median(b[:, :, 1:]):.2f}; "
@@ -362,30 +307,6 @@ def bloat_finding(probes: dict[str, ProbeResult], size: str) -> Finding:
 
 
 # ---- what V-scale learned ----------------------------------------------------------------------------------
-
-def theta_figure(theta, value_norms, d_model: int, d_head: int):
-    """Learned theta as a heatmap, and token 0's raw ||v||^2 against C per layer (median over heads)."""
-    import seaborn as sns
-    from matplotlib.figure import Figure
-    theta = np.asarray(theta)
-    c = valve_constant(theta, d_model, d_head)
-    v0_sq = value_norms[:, :, 0] ** 2
-    rest_sq = (value_norms[:, :, 1:RGS_T_E + 1] ** 2).mean(-1)
-    fig = Figure(figsize=(11, 3.4))
-    axes = fig.subplots(1, 2)
-    sns.heatmap(theta, ax=axes[0], cmap="RdBu_r", center=0, annot=theta.size <= 64, fmt=".2f")
-    axes[0].set_xlabel("head")
-    axes[0].set_ylabel("layer")
-    axes[0].set_title("learned theta")
-    axes[1].semilogy(np.median(v0_sq / c, axis=1), "o-", label="token 0: ||v_0||^2 / C")
-    axes[1].semilogy(np.median(rest_sq / c, axis=1), "s-", label=f"tokens 1-{RGS_T_E}: mean ||v_t||^2 / C")
-    axes[1].axhline(1, color="gray", lw=0.8)
-    axes[1].set_xlabel("layer")
-    axes[1].legend(fontsize=8)
-    axes[1].set_title("raw value norm against the valve constant (median over heads)")
-    fig.tight_layout()
-    return fig
-
 
 def theta_claims(theta, base_check: dict) -> list:
     """App. C / Fig. 13: theta larger early than late, and mostly negative late (gated like every V-scale claim)."""

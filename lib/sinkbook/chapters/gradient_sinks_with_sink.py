@@ -19,6 +19,8 @@ import pandas as pd
 from ..core.claims import Effect, Finding, Interest, Rule, check, claim, slug, statistical
 from ..core.models import REAL_MODELS, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles
+from ..figures.gradient_sinks_with_sink import r_gs_box, setting_figure
+from ..figures.panels import path_figure
 from ..measures.gradprobes import (GRAD_Q0_TOLERANCE, KEEP_SINK_SHARE, LOSS_TOLERANCE, LOWER_FACTOR, LOWERS,
                                    ProbeResult, RATIO_MIN, RGS_T_E, SINK_MIN, grad_q0_share, lowered,
                                    lowers_precondition, path_norms, path_spikes, sink_check)
@@ -119,8 +121,6 @@ def pretrained_row(spec: str, probe: ProbeResult, seconds: float) -> dict:
 def pretrained_finding(real: dict[str, ProbeResult], seconds: dict[str, float] | None = None,
                        skipped: dict[str, str] | None = None) -> Finding:
     """The same probes on pretrained models (Figs. 1, 2, 9 analogs); claims only where the model has a sink."""
-    import plotly.express as px
-    import plotly.graph_objects as go
     title = "The same probes on pretrained models"
     seconds = seconds or {}
     notes = [f"{spec}: not available here ({why}); skipped." for spec, why in (skipped or {}).items()]
@@ -135,14 +135,8 @@ def pretrained_finding(real: dict[str, ProbeResult], seconds: dict[str, float] |
         if not check_["sink"]:
             notes.append(f"{spec} shows no attention sink (Sink^eps in the middle layers "
                          f"{check_['sink_rate_middle']:.2f}, threshold {SINK_MIN:g}): its claims are not comparable.")
-    box = go.Figure()
-    for spec, p in real.items():
-        box.add_trace(go.Box(y=p.r_gs(), name=spec, boxpoints="all"))
-    box.add_hrect(y0=10, y1=100, fillcolor="gray", opacity=0.15, line_width=0)
-    box.update_layout(yaxis_type="log", yaxis_title="R_GS(0; 31) over layers", height=380)
-    paths = px.line(path_norms(real), x="token", y="grad norm", color="path", facet_col="model", log_y=True)
-    paths.update_layout(height=330).update_xaxes(title_text="token position")
-    return Finding(title, claims=claims, table=table, figures=[box, paths], notes=notes, data={"rows": rows})
+    figures = [r_gs_box({spec: p.r_gs() for spec, p in real.items()}), path_figure(path_norms(real))]
+    return Finding(title, claims=claims, table=table, figures=figures, notes=notes, data={"rows": rows})
 
 
 def checks_finding(probes: dict[str, ProbeResult]) -> Finding:
@@ -262,21 +256,6 @@ def setting_claims(rows: pd.DataFrame, theta: dict | None = None) -> list:
             precondition=(layers >= 2 and sink_ok, f"a layer pattern needs at least two layers (this setting has "
                                                    f"{layers})" if layers < 2 else sink_pre[1])))
     return claims
-
-
-def setting_figure(rows: pd.DataFrame):
-    """Per seed, baseline against V-scale: median R_GS, Sink^eps and validation loss."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    columns = ("median R_GS", "Sink^eps middle", "token-0 ratio", "val loss")
-    fig = make_subplots(rows=1, cols=len(columns), subplot_titles=columns)
-    for name, group in rows.groupby("model", sort=False):
-        for j, col in enumerate(columns, start=1):
-            fig.add_trace(go.Scatter(x=group.seed.astype(str), y=group[col], mode="markers", name=name,
-                                     legendgroup=name, showlegend=j == 1, marker_size=10), 1, j)
-    fig.update_xaxes(title_text="seed")
-    fig.update_layout(height=320)
-    return fig
 
 
 def setting_finding(rows: pd.DataFrame, theta: dict, seconds: dict) -> Finding:

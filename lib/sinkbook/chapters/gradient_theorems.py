@@ -14,6 +14,7 @@ import pandas as pd
 
 from ..core.claims import Finding, Rule, check
 from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least
+from ..figures.gradient_theorems import gradient_norms_figure, tightness_figure, vscale_eigen_figure
 from ..measures import theory as th
 from .base import Chapter, finding
 
@@ -64,15 +65,7 @@ def prop1_finding(runs: list[dict], example_head: dict | None = None) -> Finding
     table = pd.Series({"grad V": worst["value_max_abs_err"], "grad K": worst["key_max_abs_err"],
                        "grad Q": worst["query_max_abs_err"], "|grad q_0|": worst["grad_q0_abs_max"]},
                       name="largest deviation").to_frame()
-    figures = []
-    if example_head is not None:
-        import plotly.graph_objects as go
-        fig = go.Figure()
-        for key, name in [("grad_v_norms", "value"), ("grad_k_norms", "key"), ("grad_q_norms", "query")]:
-            fig.add_trace(go.Scatter(y=example_head[key], mode="lines+markers", name=name))
-        fig.update_layout(title="Per-token gradient norms in one head with a sink at token 0", xaxis_title="token",
-                          yaxis=dict(title="||grad||", type="log"), height=380)
-        figures.append(fig)
+    figures = [gradient_norms_figure(example_head)] if example_head is not None else []
     return Finding("Prop. 1 and the key / query identities", claims=claims, table=table, figures=figures)
 
 
@@ -95,17 +88,7 @@ def gradient_theorem1_finding(noise: pd.DataFrame, tightness: pd.DataFrame | Non
     notes = ["Exact / upper bound: " + ", ".join(f"{r.exact_over_upper:.3f} under {r.noise} noise"
                                                   for r in noise.itertuples()) + "."]
     table = noise.set_index("noise")[["M", "S", "lower", "mc_mean", "mc_se", "exact", "upper", "z"]].T
-    figures = []
-    if tightness is not None:
-        import plotly.graph_objects as go
-        fig = go.Figure()
-        fig.add_trace(go.Scatter(x=tightness["strength"], y=tightness["exact_over_upper"], mode="lines+markers",
-                                 name="exact / upper bound"))
-        fig.add_trace(go.Scatter(x=tightness["strength"], y=tightness["lower_over_upper"], mode="lines+markers",
-                                 name="lower / upper bound"))
-        fig.update_layout(title="Theorem 1 tightness under AR(1) token noise", xaxis_title="AR(1) correlation",
-                          yaxis_title="fraction of the upper bound", height=380)
-        figures.append(fig)
+    figures = [tightness_figure(tightness)] if tightness is not None else []
     return Finding("How much gradient the sink collects", claims=claims, table=table, figures=figures, notes=notes)
 
 
@@ -138,8 +121,6 @@ def rmsnorm_jacobian_finding(jacobians: pd.DataFrame) -> Finding:
 def vscale_jacobian_finding(jacobians: pd.DataFrame, peak: dict) -> Finding:
     """Prop. 7-8 and Cor. 2: the V-scale Jacobian at random v (``theory.vscale_jacobian_table``) and the numerical
     maximum of its radial eigenvalue (``theory.vscale_radial_maximum``)."""
-    import plotly.graph_objects as go
-
     small = jacobians.loc[jacobians["r_over_C"] <= 1e-3]
     largest_op = float(jacobians["op_norm"].max())
     radial_small = float(small["radial"].max())
@@ -162,18 +143,7 @@ def vscale_jacobian_finding(jacobians: pd.DataFrame, peak: dict) -> Finding:
     notes = [f"Numerical maximum of the radial eigenvalue: {peak['max']:.12f} at r/C = {peak['argmax_r_over_C']:.6f}; "
              f"the largest operator norm over the random v is {largest_op:.6f}. At r/C <= 1e-3 the radial "
              f"eigenvalue is at most {radial_small:.2e}, where 3r/C predicts {predicted_small:.2e}."]
-    grid = np.logspace(-4, 3, 400)
-    perp, radial = th.vscale_eigen_formulas(grid, 1.0)
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=grid, y=perp, name="r/(r+C), across v"))
-    fig.add_trace(go.Scatter(x=grid, y=radial, name="(r^2+3Cr)/(r+C)^2, along v"))
-    fig.add_trace(go.Scatter(x=jacobians["r_over_C"], y=jacobians["op_norm"], mode="markers", marker=dict(size=5),
-                             name="autograd ||J||, random v"))
-    fig.add_hline(y=9 / 8, line_dash="dot", annotation_text="9/8")
-    fig.add_vline(x=3.0, line_dash="dot", annotation_text="r = 3C")
-    fig.update_layout(title="Eigenvalues of the V-scale Jacobian", xaxis=dict(title="r / C = ||v||^2 / C", type="log"),
-                      yaxis_title="eigenvalue", height=420, legend=dict(orientation="h", y=-0.25))
-    return Finding("The V-scale Jacobian", claims=claims, figures=[fig], notes=notes)
+    return Finding("The V-scale Jacobian", claims=claims, figures=[vscale_eigen_figure(jacobians)], notes=notes)
 
 
 class GradientTheoremsChapter(Chapter):

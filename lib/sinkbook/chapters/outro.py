@@ -28,10 +28,11 @@ import pandas as pd
 from ..core.claims import INCONCLUSIVE, Claim, Effect, Finding, Interest, Rule, check, claim, slug, statistical
 from ..core.models import REAL_MODELS
 from ..core.profiles import Limit, NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, above, at_least, between, each
+from ..figures.outro import alignment_figure, redistribution_figure, rotation_strength_figure, sinks_figure
 from ..interventions.outro import default_layers
 from ..measures.decoding import OUTRO_PAPER_OVERHEAD, OVERHEAD_TARGET
 from ..measures.regression import pearson
-from ..measures.stats import mcnemar_exact, min_pairs_to_decide, paired_bootstrap, paired_effect
+from ..measures.stats import effect_in_points, mcnemar_exact, min_pairs_to_decide, paired_bootstrap, paired_effect
 from ..runs.outro_text import CONTENT, CONTROLS, DELIMITER, N_PROMPTS, OutRoTextRuns, SINK, ifeval_options
 from .base import Chapter, all_of, finding
 
@@ -107,25 +108,13 @@ def _no_sink(spec: str) -> str:
     return f"Phi_LLM finds no sink in {spec} on these prompts, so OutRo has nothing to rotate toward"
 
 
-def _subplots(specs: list[str], title: str, y_title: str, height: int = 340):
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=max(1, len(specs)), subplot_titles=specs)
-    for i in range(1, len(specs) + 1):
-        fig.update_xaxes(title_text="layer", row=1, col=i)
-    fig.update_yaxes(title_text=y_title, row=1, col=1)
-    fig.update_layout(height=height, title=title)
-    return fig
-
-
 def sinks_finding(measured: dict[str, dict]) -> Finding:
     """Per model: Phi_LLM's sink set on the analysis prompts, and the checks that OutRo's hooks alone change
     nothing. ``measured[spec]`` holds layers, heads, kv_heads, share_flagged (per layer), share_cumulative (per
     layer), first_sink (layer or None), persistent_is_first_real, relax_layers, identical, rotation_ran,
     check_sinks ("Phi_LLM" or "fixed position")."""
-    import plotly.graph_objects as go
     rows, claims, notes = {}, [], []
-    fig = _subplots(list(measured), "Phi_LLM sinks per layer (calibration prompts)", "share of prompt tokens")
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    for spec, m in measured.items():
         flagged, cumulative = np.asarray(m["share_flagged"]), np.asarray(m["share_cumulative"])
         rotated_layers, _ = default_layers(m["layers"])
         worst = round(float(flagged.max()), 3) if len(flagged) else 0.0
@@ -138,10 +127,6 @@ def sinks_finding(measured: dict[str, dict]) -> Finding:
                       "cumulative share at layer L-3": last_rotated,
                       "persistent sink = first real token": m["persistent_is_first_real"] if has_sink else "-",
                       "relaxation layers": ", ".join(map(str, m["relax_layers"]))}
-        fig.add_trace(go.Bar(y=flagged, name="flagged at this layer", marker_color="#4c78a8",
-                             showlegend=i == 1), row=1, col=i)
-        fig.add_trace(go.Scatter(y=cumulative, name="cumulative (what OutRo excludes)",
-                                 line=dict(color="#e45756"), showlegend=i == 1), row=1, col=i)
         if has_sink:
             notes.append(f"{spec}: first sink at layer {m['first_sink']}; at most {worst:.0%} of the tokens are "
                          f"flagged at one layer, and the cumulative set at layer L-3 holds {last_rotated:.0%} of "
@@ -159,6 +144,8 @@ def sinks_finding(measured: dict[str, dict]) -> Finding:
     notes.append("Whether Phi_LLM's sink set is sparse, as the paper says (Sec. 3, Q1), is claimed once, in the "
                  "sink-criteria chapter (claims phi_llm_sparse_*); the table above is the same criterion on this "
                  "chapter's prompts.")
+    fig = sinks_figure({spec: (np.asarray(m["share_flagged"]), np.asarray(m["share_cumulative"]))
+                        for spec, m in measured.items()})
     return Finding("The models and their sinks", claims=claims, table=pd.DataFrame(rows), figures=[fig],
                    notes=notes, data={"sinks": {spec: {"share_flagged_per_layer": list(m["share_flagged"]),
                                                        "share_cumulative_per_layer": list(m["share_cumulative"])}
@@ -168,11 +155,8 @@ def sinks_finding(measured: dict[str, dict]) -> Finding:
 def redistribution_finding(measured: dict[str, dict | None], gamma: float) -> Finding:
     """Fig. 7 / Table B.4 analog. ``measured[spec]`` is None (no sink) or holds ``base`` and ``rotated``
     (L, B, 3) attention mass per key category, ``counts`` (B, 3) tokens per category and ``first_sink``."""
-    import plotly.graph_objects as go
-    rows, claims, notes = {}, [], []
-    fig = _subplots(list(measured), "Attention to the sink token per layer (Fig. 7 analog)",
-                    "attention mass on the sink")
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    rows, claims, notes, sink_attention = {}, [], [], {}
+    for spec, m in measured.items():
         affected = [] if m is None else list(range(m["first_sink"] + 1, np.asarray(m["base"]).shape[0]))
         ok = bool(affected)
         why = _no_sink(spec) if m is None else "no layer follows the first sink layer"
@@ -190,10 +174,7 @@ def redistribution_finding(measured: dict[str, dict | None], gamma: float) -> Fi
                           "attention to a content token": per_token[CONTENT],
                           "change: sink": delta[SINK], "change: delimiters": delta[DELIMITER],
                           "change: content": delta[CONTENT], "layers where sink attention fell": share_down}
-            fig.add_trace(go.Scatter(y=base[:, :, SINK].mean(1), name="baseline", line=dict(color="#4c78a8"),
-                                     showlegend=i == 1), row=1, col=i)
-            fig.add_trace(go.Scatter(y=rotated[:, :, SINK].mean(1), name=f"rotated (gamma={gamma:g})",
-                                     line=dict(color="#e45756"), showlegend=i == 1), row=1, col=i)
+            sink_attention[spec] = (base[:, :, SINK].mean(1), rotated[:, :, SINK].mean(1))
             notes.append(f"{spec}: sink attention changes by {delta[SINK]:+.4f} on average (paper, Qwen2.5-Omni: "
                          f"-0.0176) and falls at {share_down:.0%} of the layers compared; the group attended less "
                          f"per token before is '{less}', the larger gain goes to '{gained}'.")
@@ -212,6 +193,7 @@ def redistribution_finding(measured: dict[str, dict | None], gamma: float) -> Fi
                             precondition=(False, "the paper's groups are modalities (video, audio); text has none, "
                                                  "and delimiters vs content is only an analog") if ok
                             else (False, why)))
+    fig = redistribution_figure({spec: sink_attention.get(spec) for spec in measured}, gamma)
     return Finding("Attention to the sink with and without rotation", claims=claims,
                    table=pd.DataFrame(rows) if rows else None, figures=[fig], notes=notes, data={"rows": rows})
 
@@ -220,12 +202,8 @@ def alignment_finding(measured: dict[str, dict | None]) -> Finding:
     """Fig. B.1 analog. ``measured[spec]`` is None (no sink) or holds ``r_per_layer`` (Pearson r of sink score
     and cos(O, v_bar) over every (head, query) point of a layer) and ``heads`` (DataFrame: layer, head,
     sink_score, cosine: per-head means)."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    rows, claims, notes = {}, [], []
-    specs = list(measured)
-    fig = make_subplots(rows=1, cols=max(1, len(specs)), subplot_titles=specs)
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    rows, claims, notes, shown = {}, [], [], {}
+    for spec, m in measured.items():
         r_layers = [] if m is None else [r for r in m["r_per_layer"] if np.isfinite(r)]
         ok = bool(r_layers)
         r = float(np.mean(r_layers)) if ok else float("nan")
@@ -234,22 +212,15 @@ def alignment_finding(measured: dict[str, dict | None]) -> Finding:
             over_heads = pearson(heads.sink_score.values, heads.cosine.values)
             rows[spec] = {"layers with sinks": len(m["r_per_layer"]), "mean Pearson per layer": r,
                           "Pearson over per-head means": over_heads}
-            fig.add_trace(go.Scatter(x=heads.cosine, y=heads.sink_score, mode="markers",
-                                     marker=dict(size=5, color=heads.layer, colorscale="Viridis",
-                                                 showscale=i == len(specs), colorbar=dict(title="layer")),
-                                     text=[f"L{l}H{k}" for l, k in zip(heads.layer, heads["head"])],
-                                     showlegend=False), row=1, col=i)
-            fig.update_xaxes(title_text="cos(head output, sink value)", row=1, col=i)
+            shown[spec] = heads
             notes.append(f"{spec}: average Pearson {r:.2f} per layer, {over_heads:.2f} over head means "
                          f"(paper about 0.7).")
         claims.append(claim(f"alignment_pearson_{slug(spec)}", "measured", f"{PAPER}, App. B.1 / Fig. B.1",
                             f"sink score correlates with cos(head output, sink value): {spec}", 0.7,
                             round(r, 3), ALIGNMENT, precondition=(ok, _no_sink(spec))))
-    fig.update_yaxes(title_text="sink score", row=1, col=1)
-    fig.update_layout(height=360, title="Sink score vs alignment with the sink value, one point per head "
-                                        "(Fig. B.1 analog)")
     return Finding("Sink score and alignment with the sink value", claims=claims,
-                   table=pd.DataFrame(rows) if rows else None, figures=[fig], notes=notes, data={"rows": rows})
+                   table=pd.DataFrame(rows) if rows else None, notes=notes, data={"rows": rows},
+                   figures=[alignment_figure({spec: shown.get(spec) for spec in measured})])
 
 
 def ablation_finding(measured: dict[str, dict], source: str = "") -> Finding:
@@ -324,17 +295,12 @@ def rotation_strength_finding(measured: dict[str, dict]) -> Finding:
     windows), ``sweep`` {gamma: per-window loss}, ``rotated`` (whether rotation changed anything), and for the
     test: ``test_baseline`` and ``test_rotated`` (per-window losses on the test windows at the gamma
     ``select_gamma`` picks on the sweep windows)."""
-    import plotly.graph_objects as go
     rows, claims, notes = [], [], []
-    fig = go.Figure()
     for spec, m in measured.items():
         base = float(np.mean(m["baseline"]))
         rows.append({"model": spec, "gamma": 0.0, "loss": base, "delta vs baseline": 0.0})
         rows += [{"model": spec, "gamma": g, "loss": float(np.mean(l)), "delta vs baseline": float(np.mean(l)) - base}
                  for g, l in sorted(m["sweep"].items())]
-        fig.add_trace(go.Scatter(x=sorted(m["sweep"]), y=[float(np.mean(m["sweep"][g])) - base
-                                                          for g in sorted(m["sweep"])],
-                                 mode="lines+markers", name=spec))
         chosen = select_gamma(m["sweep"])
         n_test = len(m["test_baseline"])
         ok = m["rotated"] and n_test >= MIN_WINDOWS
@@ -357,9 +323,8 @@ def rotation_strength_finding(measured: dict[str, dict]) -> Finding:
                                   f"cannot be scored on a loss): {spec}",
                                   "gains at the gamma chosen on validation data (Fig. B.2, Table B.8)",
                                   paired_effect(test, seeds=1, units="nats"), LOSS_INTEREST, precondition=(ok, why)))
-    fig.add_hline(y=0, line_dash="dot")
-    fig.update_layout(height=340, title="Held-out loss change with rotation strength (sweep windows)",
-                      xaxis_title="gamma", yaxis_title="loss - no rotation (nats)")
+    fig = rotation_strength_figure({spec: {g: float(np.mean(l)) - float(np.mean(m["baseline"]))
+                                           for g, l in m["sweep"].items()} for spec, m in measured.items()})
     table = (pd.DataFrame(rows).pivot(index="gamma", columns="model", values="delta vs baseline")
              .reindex(columns=list(measured)) if rows else None)
     return Finding("Rotation strength and the held-out loss", claims=claims, table=table, figures=[fig],
@@ -375,11 +340,6 @@ def _paired(settings: dict, first: str, second: str):
     a, b = _passes(settings, first), _passes(settings, second)
     graded = np.array([x is not None and y is not None for x, y in zip(a, b)], dtype=bool)
     return mcnemar_exact(a[graded].astype(bool), b[graded].astype(bool), ALPHA)
-
-
-def _points(test) -> Effect:
-    """A McNemar test's effect in percentage points, positive = the second setting passes more."""
-    return paired_effect(test, seeds=1, scale=100, units="pt")
 
 
 def _compliance_precondition(spec: str, m: dict) -> tuple[bool, str]:
@@ -428,7 +388,7 @@ def compliance_finding(measured: dict[str, dict], gamma: float, max_new_tokens: 
                    f"{test.p_value:.3g}; {test.n} prompts)")
             notes.append(f"{spec}: strict prompt-level compliance {our} with OutRo (gamma = {gamma:g}, rotation and "
                          f"relaxation), {max_new_tokens} new tokens.")
-            claims.append(statistical(f"ifeval_{slug(spec)}", source, statement, paper, _points(test), IFEVAL_INTEREST))
+            claims.append(statistical(f"ifeval_{slug(spec)}", source, statement, paper, effect_in_points(test), IFEVAL_INTEREST))
         else:
             notes.append(f"{spec}: not tested ({why}).")
             # no second setting ran, so there is no effect: the claim states its interest and what is missing
@@ -483,7 +443,7 @@ def direction_controls_finding(losses: dict[str, dict], compliance: dict[str, di
                          f"prompt-level compliance): {spec}")
             if ok:
                 claims.append(statistical(cid, source, statement, "sink > random token > head mean",
-                                          _points(tests[kind]), CONTROL_INTEREST[kind]))
+                                          effect_in_points(tests[kind]), CONTROL_INTEREST[kind]))
             else:
                 claims.append(Claim(cid, "measured", source, statement, "sink > random token > head mean", "not run",
                                     CONTROL_INTEREST[kind].rule_text(1 - ALPHA), "not comparable",

@@ -37,7 +37,9 @@ import pandas as pd
 from ..core.claims import INCONCLUSIVE, Claim, Finding, Interest, Rule, check, claim, decide, signed, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above, between, each
-from ..measures.stats import mcnemar_exact, min_pairs_to_decide, paired_effect
+from ..figures.outro_multimodal import (norms_figure, pruning_figure, relaxation_figure, rotation_strength_figure,
+                                        sink_attention_figure)
+from ..measures.stats import effect_in_points, mcnemar_exact, min_pairs_to_decide
 from ..runs import adaptation as adaptation_jobs
 from ..runs.adaptation_records import vision_learned
 from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_adapted
@@ -140,12 +142,6 @@ def _paired(m: dict, first: str, second: str):
     return mcnemar_exact(m["test"][first], m["test"][second], ALPHA)
 
 
-def _points(test, paper_direction: int = +1):
-    """A McNemar test's effect in accuracy points; ``paper_direction=-1`` when the paper says the second setting is
-    worse."""
-    return paired_effect(test, seeds=1, paper_direction=paper_direction, scale=100, units="pt")
-
-
 def _describe(test) -> str:
     d = test.detail
     return (f"{d['rate_first']:.3f} -> {d['rate_second']:.3f} ({signed(100 * test.effect, '.1f')} pt; {d['only_first']} lost, "
@@ -186,14 +182,13 @@ def models_finding(measured: dict[str, dict], adaptation: dict[str, dict] | None
 
 def rotation_strength_finding(measured: dict[str, dict]) -> Finding:
     """App. B.5 / Fig. B.2: validation accuracy of OutRo at each gamma; the gamma chosen per model."""
-    import plotly.graph_objects as go
-    table, notes, fig, usable = {}, [], go.Figure(), {}
+    table, notes, gains, usable = {}, [], {}, {}
     for spec, m in measured.items():
         gammas = sorted(float(g) for g in m["val"] if g != "baseline")
         accuracy = {g: float(np.mean(m["val"][f"{g:g}"])) for g in gammas}
         base = float(np.mean(m["val"]["baseline"]))
         table[spec] = {"no OutRo": base, **{f"gamma {g:g}": a for g, a in accuracy.items()}}
-        fig.add_trace(go.Scatter(x=gammas, y=[a - base for a in accuracy.values()], mode="lines+markers", name=spec))
+        gains[spec] = {g: a - base for g, a in accuracy.items()}
         flat = len(set(accuracy.values())) == 1
         notes.append(f"{spec}: gamma {m['gamma']:g} has the highest accuracy on {len(m['val']['baseline'])} validation "
                      f"questions ({accuracy.get(m['gamma'], float('nan')):.3f}, against {base:.3f} without OutRo)"
@@ -201,12 +196,9 @@ def rotation_strength_finding(measured: dict[str, dict]) -> Finding:
         ok, _ = _gate(spec, m)
         if ok and not flat:
             usable[spec] = m["gamma"]
-    fig.add_hline(y=0, line_dash="dot")
-    fig.update_layout(height=340, title="Validation accuracy with OutRo against no OutRo, by rotation strength",
-                      xaxis_title="gamma", yaxis_title="accuracy - no OutRo")
     claims = [gamma_claim(measured, usable)]
     return Finding("Rotation strength on validation questions", claims=claims,
-                   table=pd.DataFrame(table) if table else None, figures=[fig], notes=notes)
+                   table=pd.DataFrame(table) if table else None, figures=[rotation_strength_figure(gains)], notes=notes)
 
 
 def gamma_claim(measured: dict[str, dict], usable: dict[str, float]) -> Claim:
@@ -223,12 +215,12 @@ def gamma_claim(measured: dict[str, dict], usable: dict[str, float]) -> Claim:
     choices = sorted(set(usable.values()))
     val = lambda spec, g: measured[spec]["val"][f"{g:g}"]
     if len(choices) > 1:      # own choice (second) against each other model's choice (first), per model
-        effects = [_points(mcnemar_exact(val(spec, other), val(spec, own), ALPHA))
+        effects = [effect_in_points(mcnemar_exact(val(spec, other), val(spec, own), ALPHA))
                    for spec, own in usable.items() for other in choices if other != own]
         weakest = min(effects, key=lambda e: e.low)
         holds, caveat = decide(weakest, GAMMA_INTEREST)
     else:                     # one choice for all: refuted only if it wins against every other gamma on each model
-        effects = [_points(mcnemar_exact(val(spec, float(g)), val(spec, own), ALPHA))
+        effects = [effect_in_points(mcnemar_exact(val(spec, float(g)), val(spec, own), ALPHA))
                    for spec, own in usable.items() for g in measured[spec]["val"] if g != "baseline"
                    and float(g) != own]
         weakest = min(effects, key=lambda e: e.low) if effects else None
@@ -257,11 +249,11 @@ def accuracy_finding(measured: dict[str, dict]) -> Finding:
         claims.append(statistical(f"vlm_outro_accuracy_{slug(spec)}", f"{PAPER}, Tables 6 and B.6",
                                   f"OutRo (rotation and relaxation) improves accuracy on held-out visual questions: "
                                   f"{spec}", "+0.11 to +1.47 pt on 8 of 9 VLM benchmarks, one -0.15 (Table B.6)",
-                                  _points(tests["outro"]), OUTRO_INTEREST, precondition=gate))
+                                  effect_in_points(tests["outro"]), OUTRO_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_rotation_accuracy_{slug(spec)}", f"{PAPER}, Table 5 and Table B.7",
                                   f"rotation alone improves accuracy on held-out visual questions: {spec}",
                                   "consistent gains; +0.39 to +0.88 pt on Qwen2.5-Omni 3B (Table B.7)",
-                                  _points(tests["rotate"]), ROTATION_INTEREST, precondition=gate))
+                                  effect_in_points(tests["rotate"]), ROTATION_INTEREST, precondition=gate))
     return Finding("OutRo on the test questions", claims=claims, table=pd.DataFrame(table) if table else None,
                    notes=notes)
 
@@ -274,19 +266,13 @@ def _after_first_sink(m: dict) -> list[int]:
 def redistribution_finding(measured: dict[str, dict]) -> Finding:
     """Fig. 7 / Table B.4: attention of the question's rows to the sink, the image and the text tokens, per layer,
     with and without rotation (the layers after the first one with a sink)."""
-    from plotly.subplots import make_subplots
-    rows, claims, notes = {}, [], []
-    specs = list(measured)
-    fig = make_subplots(rows=1, cols=max(1, len(specs)), subplot_titles=specs)
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    rows, claims, notes, curves = {}, [], [], {}
+    for spec, m in measured.items():
         layers = _after_first_sink(m)
         gate = all_of(_gate(spec, m), (bool(layers), "no layer follows the first layer with a sink"))
         base, rotated = np.asarray(m["attention"]["base"]), np.asarray(m["attention"]["rotated"])
         counts = np.maximum(np.asarray(m["attention"]["counts"]), 1e-12)
-        fig.add_scatter(y=base[:, SINK], name="no rotation", line=dict(color="#4c78a8"), showlegend=i == 1,
-                        row=1, col=i)
-        fig.add_scatter(y=rotated[:, SINK], name=f"rotation (gamma {m['gamma']:g})", line=dict(color="#e45756"),
-                        showlegend=i == 1, row=1, col=i)
+        curves[spec] = (base[:, SINK], rotated[:, SINK], ("no rotation", f"rotation (gamma {m['gamma']:g})"))
         fell, less, gained, delta, share_down = False, "-", "-", np.full(3, np.nan), float("nan")
         if layers:
             per_token = (base[layers] / counts).mean(0)
@@ -309,8 +295,7 @@ def redistribution_finding(measured: dict[str, dict]) -> Finding:
                                               "(Qwen2.5-Omni); audio gains more in VideoLLaMA2",
                             f"less attended: {less}; change image {delta[IMAGE]:+.4f}, text {delta[TEXT]:+.4f}",
                             LESS_ATTENDED_GAINS, value=less == gained, precondition=gate))
-    fig.update_yaxes(title_text="attention to the sink", row=1, col=1)
-    fig.update_layout(height=340, title="Attention of the question's rows to the sink, per layer (Fig. 7)")
+    fig = sink_attention_figure(curves, "Attention of the question's rows to the sink, per layer (Fig. 7)")
     return Finding("Where the freed attention goes", claims=claims, table=pd.DataFrame(rows).T if rows else None,
                    figures=[fig], notes=notes)
 
@@ -318,8 +303,7 @@ def redistribution_finding(measured: dict[str, dict]) -> Finding:
 def pruning_finding(measured: dict[str, dict]) -> Finding:
     """Fig. 9 / Table 9: keep a share of the image tokens, chosen by the sink query's attention at the layer where
     OutRo relaxes the sink, by a random draw, or by the mean attention of the question's rows."""
-    import plotly.graph_objects as go
-    table, claims, notes, fig = {}, [], [], go.Figure()
+    table, claims, notes, curves = {}, [], [], {}
     for spec, m in measured.items():
         keeps = m["prune"]["keep"]
         key = lambda method, keep: f"prune_{method}_{keep:g}"
@@ -327,8 +311,8 @@ def pruning_finding(measured: dict[str, dict]) -> Finding:
                        **{f"{method}, keep {keep:g}": _accuracy(m, key(method, keep))
                           for keep in keeps for method in PRUNE_METHODS}}
         for method in PRUNE_METHODS:
-            fig.add_scatter(x=[1.0, *keeps], y=[_accuracy(m, "baseline")] + [_accuracy(m, key(method, k)) for k in keeps],
-                            mode="lines+markers", name=f"{spec}: {method.replace('_', ' ')}")
+            curves[f"{spec}: {method.replace('_', ' ')}"] = ([1.0, *keeps], [_accuracy(m, "baseline")]
+                                                            + [_accuracy(m, key(method, k)) for k in keeps])
         keep = keeps[0]
         gate = _gate(spec, m)
         sink = _paired(m, "baseline", key("sink_query", keep))
@@ -340,21 +324,19 @@ def pruning_finding(measured: dict[str, dict]) -> Finding:
         source = f"{PAPER}, Sec. 5.3, Fig. 9, Table 9"
         claims.append(statistical(f"vlm_sink_query_pruning_{slug(spec)}", source,
                                   f"pruning image tokens by the sink query's attention improves accuracy (keep "
-                                  f"{keep:g}): {spec}", "improves at the relaxation layer (AVHBench)", _points(sink),
+                                  f"{keep:g}): {spec}", "improves at the relaxation layer (AVHBench)", effect_in_points(sink),
                                   UNSTATED_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_random_pruning_hurts_{slug(spec)}", source,
                                   f"pruning image tokens at random lowers accuracy (keep {keep:g}): {spec}",
-                                  "random pruning degrades performance", _points(random, paper_direction=-1),
+                                  "random pruning degrades performance", effect_in_points(random, paper_direction=-1),
                                   UNSTATED_INTEREST, precondition=gate))
         claims.append(statistical(f"vlm_sink_query_beats_mean_query_{slug(spec)}",
                                   "ours (a control for the paper's Sec. 5.3)",
                                   f"the sink query picks better image tokens than the question's mean attention (keep "
-                                  f"{keep:g}): {spec}", "not tested in the paper", _points(versus), UNSTATED_INTEREST,
+                                  f"{keep:g}): {spec}", "not tested in the paper", effect_in_points(versus), UNSTATED_INTEREST,
                                   precondition=gate, origin="ours"))
-    fig.update_layout(height=340, title="Accuracy against the share of image tokens kept",
-                      xaxis_title="share of image tokens kept", yaxis_title="accuracy")
     return Finding("Pruning image tokens by the sink query", claims=claims,
-                   table=pd.DataFrame(table) if table else None, figures=[fig], notes=notes)
+                   table=pd.DataFrame(table) if table else None, figures=[pruning_figure(curves)], notes=notes)
 
 
 def identification_finding(measured: dict[str, dict]) -> Finding:
@@ -384,13 +366,13 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
             test = _paired(m, "baseline", name)
             claims.append(statistical(f"vlm_{name}_little_effect_{slug(spec)}", f"{PAPER}, App. A.2, Table A.2",
                                       f"removing the sink dimensions at {what} barely changes accuracy: {spec}",
-                                      f"{paper} (AVHBench)", _points(test), LITTLE_INTEREST,
+                                      f"{paper} (AVHBench)", effect_in_points(test), LITTLE_INTEREST,
                                       precondition=all_of(all_of(gate, massive), others)))
         top1 = _paired(m, "rotate_vlm_top1", "rotate")
         claims.append(statistical(f"vlm_rotation_llm_beats_vlm_top1_{slug(spec)}", f"{PAPER}, App. B.6, Table B.7",
                                   f"rotation toward the Phi_LLM sinks beats rotation toward the top Phi_VLM token: "
                                   f"{spec}", "better in 8 of 8 settings, e.g. AVHBench 64.78 vs 61.90 (Qwen2.5-Omni 3B)",
-                                  _points(top1), TOP1_INTEREST, precondition=all_of(all_of(gate, massive), flagged)))
+                                  effect_in_points(top1), TOP1_INTEREST, precondition=all_of(all_of(gate, massive), flagged)))
         percent = _paired(m, "rotate_vlm_top_percent", "rotate")
         same = (not vlm["top_percent_is_top1"], "every prompt has at most 100 tokens, so its top 1% is one token: the "
                                                 "same setting as the top Phi_VLM token, claimed above")
@@ -398,7 +380,7 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
                                   f"rotation toward the Phi_LLM sinks beats rotation toward the top 1% of Phi_VLM "
                                   f"tokens: {spec}",
                                   "better in 8 of 8 settings, e.g. AVHBench 64.78 vs 60.97 (Qwen2.5-Omni 3B)",
-                                  _points(percent), TOP_PERCENT_INTEREST,
+                                  effect_in_points(percent), TOP_PERCENT_INTEREST,
                                   precondition=all_of(all_of(all_of(gate, massive), flagged), same)))
     return Finding("Which tokens are the sink", claims=claims, table=pd.DataFrame(table) if table else None,
                    notes=notes)
@@ -407,7 +389,7 @@ def identification_finding(measured: dict[str, dict]) -> Finding:
 def collapse_claim(spec: str, removed, accuracy_left: float, chance: float, gate: tuple[bool, str]) -> Claim:
     """Table A.2: removing D_sink at the Phi_LLM sink collapses accuracy (71.60 -> 0.00). At our scale a collapse is
     a fall to chance: the effect of interest is the baseline's margin over chance, in points."""
-    fall = _points(removed, paper_direction=-1)
+    fall = effect_in_points(removed, paper_direction=-1)
     margin = 100 * (removed.detail["rate_first"] - chance)
     cid, source = f"vlm_remove_llm_sink_collapses_{slug(spec)}", f"{PAPER}, App. A.2, Table A.2"
     statement = f"removing the sink dimensions at the Phi_LLM sink collapses accuracy (to chance): {spec}"
@@ -433,14 +415,10 @@ def collapse_claim(spec: str, removed, accuracy_left: float, chance: float, gate
 
 def zero_k_finding(measured: dict[str, dict]) -> Finding:
     """Figs. 4-5 and Table 3: the top-1 dimension of the sink key zeroed at every layer and head."""
-    from plotly.subplots import make_subplots
-    specs = list(measured)
-    fig = make_subplots(rows=1, cols=max(1, len(specs)), subplot_titles=specs)
-    rows, claims, notes = {}, [], []
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    rows, claims, notes, curves = {}, [], [], {}
+    for spec, m in measured.items():
         before, after = np.asarray(m["zero_k"]["before"]), np.asarray(m["zero_k"]["after"])
-        fig.add_scatter(y=before, name="baseline", line=dict(color="#4c78a8"), showlegend=i == 1, row=1, col=i)
-        fig.add_scatter(y=after, name="Zero-K top 1", line=dict(color="#e45756"), showlegend=i == 1, row=1, col=i)
+        curves[spec] = (before, after, ("baseline", "Zero-K top 1"))
         change, share_down = float((after - before).mean()), float((after < before).mean())
         test, gate = _paired(m, "baseline", "zero_k"), _gate(spec, m)
         rows[spec] = {"attention to the sink": float(before.mean()), "with Zero-K": float(after.mean()),
@@ -451,10 +429,9 @@ def zero_k_finding(measured: dict[str, dict]) -> Finding:
                      f"chapter, zero_k_*); accuracy {_describe(test)}.")
         claims.append(statistical(f"vlm_zero_k_accuracy_{slug(spec)}", f"{PAPER}, Sec. 3 (Q3), Table 3",
                                   f"zeroing the sink key's top dimension lowers accuracy: {spec}",
-                                  "consistent degradation (Table 3)", _points(test, paper_direction=-1),
+                                  "consistent degradation (Table 3)", effect_in_points(test, paper_direction=-1),
                                   UNSTATED_INTEREST, precondition=gate))
-    fig.update_yaxes(title_text="attention to the sink", row=1, col=1)
-    fig.update_layout(height=340, title="Mean attention to the sink key, per layer (Fig. 4)")
+    fig = sink_attention_figure(curves, "Mean attention to the sink key, per layer (Fig. 4)")
     return Finding("Zero-K", claims=claims, table=pd.DataFrame(rows).T if rows else None, figures=[fig], notes=notes)
 
 
@@ -462,19 +439,13 @@ def geometry_finding(measured: dict[str, dict]) -> Finding:
     """Fig. 3: sink key and value norms against the other tokens', the sink key's top coordinate, the cosine of
     queries with the sink key, and (ours) how aligned the sink value is across heads and layers once written into
     the residual stream, at the layers with a sink."""
-    from plotly.subplots import make_subplots
-    specs = list(measured)
-    fig = make_subplots(rows=1, cols=max(1, len(specs)), subplot_titles=specs)
-    table, claims, notes = {}, [], []
-    for i, (spec, m) in enumerate(measured.items(), start=1):
+    table, claims, notes, ratios = {}, [], [], {}
+    for spec, m in measured.items():
         g = {k: np.asarray(v) for k, v in m["geometry"].items()}
         first = m["sink"]["first_layer"]
         layers = list(range(first, m["layers"])) if first is not None else []
         gate = all_of(_gate(spec, m), (bool(layers), "no layer has a sink"))
-        fig.add_scatter(y=np.median(g["key_ratio"], 1), name="key", line=dict(color="#4c78a8"), showlegend=i == 1,
-                        row=1, col=i)
-        fig.add_scatter(y=np.median(g["value_ratio"], 1), name="value", line=dict(color="#e45756"), showlegend=i == 1,
-                        row=1, col=i)
+        ratios[spec] = (np.median(g["key_ratio"], 1), np.median(g["value_ratio"], 1))
         pick = (lambda x: x[layers]) if layers else (lambda x: x)
         key, value = pick(g["key_ratio"]), pick(g["value_ratio"])
         top_sink, top_other = pick(g["key_top_sink"]), pick(g["key_top_other"])
@@ -507,17 +478,13 @@ def geometry_finding(measured: dict[str, dict]) -> Finding:
                  "(Figs. 3c, 3d)")):
             claims.append(claim(f"{name}_{slug(spec)}", "measured", source, f"{statement}: {spec}", paper,
                                 f"{shares[what]:.0%} of the pairs", rule, value=shares[what] > 0.5, precondition=gate))
-    fig.add_hline(y=1, line_dash="dot")
-    fig.update_yaxes(title_text="sink norm / others' median", type="log", row=1, col=1)
-    fig.update_layout(height=340, title="Sink key and value norms against the other tokens', median over heads (Fig. 3a)")
     frame = pd.DataFrame(table) if table else None
-    return Finding("The sink's keys and values", claims=claims, table=frame, figures=[fig], notes=notes)
+    return Finding("The sink's keys and values", claims=claims, table=frame, figures=[norms_figure(ratios)], notes=notes)
 
 
 def relaxation_finding(measured: dict[str, dict]) -> Finding:
     """Fig. 6 and Table 4: how far relaxation moves the sink's residual stream, and accuracy with relaxation alone."""
-    import plotly.graph_objects as go
-    table, claims, notes, fig = {}, [], [], go.Figure()
+    table, claims, notes, cosines = {}, [], [], {}
     for spec, m in measured.items():
         r = m["relaxation"]
         cosine = np.asarray(r["cosine"], dtype=float)
@@ -526,7 +493,7 @@ def relaxation_finding(measured: dict[str, dict]) -> Finding:
         gate = all_of(_gate(spec, m), (bool(measured_layers.any()), "no sink was relaxed"))
         lowest = float(cosine[measured_layers].min()) if measured_layers.any() else float("nan")
         farthest = float(np.nanmax(np.asarray(r["distance"], dtype=float))) if measured_layers.any() else float("nan")
-        fig.add_scatter(y=cosine, mode="lines+markers", name=spec)
+        cosines[spec] = cosine
         test = _paired(m, "baseline", "relax")
         table[spec] = {"relaxed at layer": min(relaxed) if relaxed else "-", "lowest cosine": lowest,
                        "largest relative distance": farthest, "accuracy": _accuracy(m, "baseline"),
@@ -540,11 +507,9 @@ def relaxation_finding(measured: dict[str, dict]) -> Finding:
                             "nearly identical to the original", round(lowest, 5), IDENTICAL_RULE, precondition=gate))
         claims.append(statistical(f"vlm_relaxation_accuracy_{slug(spec)}", f"{PAPER}, Sec. 3 (Q3), Table 4",
                                   f"relaxation alone improves accuracy on held-out visual questions: {spec}",
-                                  "consistent gains (Table 4)", _points(test), UNSTATED_INTEREST, precondition=gate))
-    fig.update_layout(height=320, title="Cosine of the sink's residual stream with and without relaxation",
-                      xaxis_title="layer", yaxis_title="cosine")
-    return Finding("Mask relaxation", claims=claims, table=pd.DataFrame(table).T if table else None, figures=[fig],
-                   notes=notes)
+                                  "consistent gains (Table 4)", effect_in_points(test), UNSTATED_INTEREST, precondition=gate))
+    return Finding("Mask relaxation", claims=claims, table=pd.DataFrame(table).T if table else None,
+                   figures=[relaxation_figure(cosines)], notes=notes)
 
 
 # ---- the chapter ---------------------------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ import functools
 import numpy as np
 import pandas as pd
 
-from ..core.claims import Finding, Rule, check, claim, slug
+from ..core.claims import Finding, Rule, check, claim, close_claim, slug
 from ..core.models import REAL_MODELS
 from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least, between
 from ..core.published import (DELTA_HALF_WIDTH, IFEVAL_PROMPTS, PRINT_1DP, PRINT_2DP, PRINT_3DP, SIX_TASK_COLUMNS,
                               TABLE4_COLUMNS, margin_series, rank_series, reference_family, vl_paper_tables,
                               vlm_family)
+from ..figures.predictor import bootstrap_figure, placement_figure, residual_figure, s_scatter_figure
 from ..measures import regression as R
 from ..runs.strength import StrengthRuns
 from .base import Chapter, finding
@@ -88,12 +89,6 @@ def envelope_claim(claim_id: str, source: str, statement: str, paper_value: floa
     """A recomputed claim whose our_value shows the value from the printed inputs and its rounding range."""
     return claim(claim_id, "recomputed", source, statement, paper_value, _envelope_text(envelope, inputs),
                  within_rounding(paper_value, printed_half_width, inputs), value=envelope)
-
-
-def close_claim(claim_id: str, kind: str, source: str, statement: str, paper_value: float, our_value: float,
-                tolerance: float, why: str):
-    return claim(claim_id, kind, source, statement, paper_value, float(our_value),
-                 Rule.close_to(paper_value, tolerance, "ours", why))
 
 
 # ---------------------------------------------------------------------------------------------- findings
@@ -304,24 +299,8 @@ def uncertainty_finding(series: dict, n_bootstrap: int, seed: int, level: float)
              "per rho; pairs sharing a reference LLM are not independent draws, so both intervals and p-values are "
              "optimistic."]
     return Finding("Bootstrap intervals and exact permutation p-values", claims=claims, table=table,
-                   figures=[_bootstrap_figure(samples, BOOTSTRAP_SHOWN, n_bootstrap)],
+                   figures=[bootstrap_figure(samples, BOOTSTRAP_SHOWN, n_bootstrap)],
                    notes=notes, data={"uncertainty": full.drop(columns="counted")})
-
-
-def _bootstrap_figure(samples: dict, names, n_bootstrap: int):
-    """Kernel density of the bootstrap rho of the main panels (plotly, so it stays interactive in the book)."""
-    import plotly.graph_objects as go
-    from scipy.stats import gaussian_kde
-    fig = go.Figure()
-    grid = np.linspace(-1, 1, 201)
-    for name in names:
-        values = np.asarray(samples.get(name, []), float)
-        if len(values) < 2 or np.ptp(values) == 0:
-            continue
-        fig.add_trace(go.Scatter(x=grid, y=gaussian_kde(values)(grid), mode="lines", name=name))
-    fig.update_layout(title=f"Bootstrap distributions of rho ({n_bootstrap} resamples)",
-                      xaxis_title="bootstrap Spearman rho", yaxis_title="density", height=360)
-    return fig
 
 
 def margin_correlation_finding(six: pd.DataFrame, t5: pd.DataFrame, t11: pd.DataFrame, published: dict) -> Finding:
@@ -414,7 +393,6 @@ def s_rule_finding(t11: pd.DataFrame, six: pd.DataFrame, published: dict) -> Fin
 
 def scatter_finding(six: pd.DataFrame, t11: pd.DataFrame) -> Finding:
     """The 17-pair panel against the six-pair fit (interactive), and the six held-out residuals."""
-    import plotly.graph_objects as go
     lopo17, _ = R.leave_one_group_out(t11.s, t11.delta_ifeval)
     lopo6, _ = R.leave_one_group_out(six.s, six.delta_ifeval_counts)
     # Table 11 names some of the six pairs with their size; match them by (S, printed IFEval change)
@@ -422,29 +400,8 @@ def scatter_finding(six: pd.DataFrame, t11: pd.DataFrame) -> Finding:
     held6 = [key6.get((round(s, 2), round(d, 1)), np.nan) for s, d in zip(t11.s, t11.delta_ifeval)]
     frame = t11.assign(heldout17=lopo17, heldout6=held6)
     frame["in six"] = frame.heldout6.notna()
-    a6, b6 = R.fit_line(six.s, six.delta_ifeval_counts)
-    colours = {"per-head": "#1b9e77", "per-head (MoE)": "#66a61e", "none": "#d95f02", "layerwise": "#7570b3",
-               "layerwise (MoE)": "#e7298a"}
-    fig = go.Figure()
-    for qk, grp in frame.groupby("qk_class"):
-        fig.add_trace(go.Scatter(
-            x=grp.s, y=grp.delta_ifeval, mode="markers", name=qk,
-            marker=dict(size=np.where(grp["in six"], 14, 10), color=colours.get(qk, "grey"),
-                        symbol=np.where(grp["in six"], "circle", "diamond"), line=dict(width=1, color="black")),
-            customdata=np.stack([grp.pair, grp.reference_llm, grp.qk_class, grp.heldout17.round(2),
-                                 grp.heldout6.round(2).astype(object).where(grp["in six"], "-")], axis=1),
-            hovertemplate="<b>%{customdata[0]}</b><br>reference: %{customdata[1]}<br>QK: %{customdata[2]}<br>"
-                          "S = %{x:.2f}, Delta IFEval = %{y:.1f} pt<br>held-out prediction (17-pair fit): "
-                          "%{customdata[3]} pt<br>held-out prediction (six-pair fit): %{customdata[4]} pt<extra></extra>"))
-    xs = np.linspace(min(-0.4, t11.s.min()), max(2.5, t11.s.max()), 50)
-    fig.add_trace(go.Scatter(x=xs, y=a6 + b6 * xs, mode="lines", name="six-pair fit",
-                             line=dict(dash="dash", color="grey"), hoverinfo="skip"))
-    fig.update_layout(title="S of the reference LLM against the VLM's IFEval change (VL paper, Table 11)",
-                      xaxis_title="S (reference LLM)", yaxis_title="Delta IFEval (pt)", height=480,
-                      legend_title="QK-norm class")
-    bars = go.Figure(go.Bar(x=six.pair, y=six.delta_ifeval_counts - lopo6, marker_color="#7570b3",
-                            hovertemplate="%{x}: %{y:+.2f} pt<extra></extra>"))
-    bars.update_layout(title="Six pairs: observed minus held-out prediction", yaxis_title="pt", height=340)
+    fig = s_scatter_figure(frame, R.fit_line(six.s, six.delta_ifeval_counts))
+    bars = residual_figure(six.pair, six.delta_ifeval_counts - lopo6)
     return Finding("S against the IFEval change", figures=[fig, bars])
 
 
@@ -487,34 +444,9 @@ def placement_finding(strengths: pd.DataFrame, six: pd.DataFrame, t11: pd.DataFr
         notes.append("No Sink Strength is available for any of our models, so none is placed on the fit: "
                      + "; ".join(f"{m}: {n}" for m, n in zip(strengths.model, strengths.note)) + ".")
     table = placement.set_index(["model", "fit"])[["S", "predicted_delta", "pi_low", "pi_high"]] if len(placement) else None
-    figures = [_placement_figure(placement, six, level)] if len(placement) else []
+    figures = [placement_figure(placement, six, level)] if len(placement) else []
     return Finding("Our models on the fit (an extrapolation)", claims=claims, table=table, figures=figures, notes=notes,
                    data={"placement": placement})
-
-
-def _placement_figure(placement: pd.DataFrame, six: pd.DataFrame, level: float):
-    import plotly.graph_objects as go
-    mine = placement[placement.fit == "six pairs"]
-    xs = np.linspace(min(-0.4, mine.S.min() - 0.2), max(2.5, mine.S.max() + 0.2), 60)
-    band = R.predict_with_interval(six.s, six.delta_ifeval_counts, xs, level)
-    fig = go.Figure()
-    fig.add_trace(go.Scatter(x=six.s, y=six.delta_ifeval_counts, mode="markers", name="six pairs (paper)",
-                             marker=dict(size=11, color="#7570b3"), customdata=six.pair,
-                             hovertemplate="%{customdata}<br>S = %{x:.2f}<br>Delta = %{y:.2f} pt<extra></extra>"))
-    fig.add_trace(go.Scatter(x=np.r_[xs, xs[::-1]], y=np.r_[band.pi_high, band.pi_low[::-1]], fill="toself",
-                             fillcolor="rgba(120,120,120,0.2)", line=dict(width=0), name=f"{level:.0%} prediction band",
-                             hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=xs, y=band.predicted_delta, mode="lines", name="six-pair fit",
-                             line=dict(dash="dash", color="grey"), hoverinfo="skip"))
-    fig.add_trace(go.Scatter(x=mine.S, y=mine.predicted_delta, mode="markers", name="our models (extrapolation)",
-                             marker=dict(size=14, symbol="star", color="#d95f02"),
-                             error_y=dict(type="data", symmetric=False, array=mine.pi_high - mine.predicted_delta,
-                                          arrayminus=mine.predicted_delta - mine.pi_low),
-                             customdata=mine.model, hovertemplate="%{customdata} (extrapolation)<br>S = %{x:.2f}<br>"
-                             "predicted Delta = %{y:.1f} pt<extra></extra>"))
-    fig.update_layout(title="Our models on the six-pair fit: an extrapolation", xaxis_title="S",
-                      yaxis_title="Delta IFEval (pt)", height=430)
-    return fig
 
 
 # ---------------------------------------------------------------------------------------------- chapter

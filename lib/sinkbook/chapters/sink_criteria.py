@@ -27,6 +27,7 @@ from ..core.claims import Finding, Rule, check, claim, slug
 from ..core.models import REAL_MODELS
 from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, above, at_least, between, each
 from ..core.prompts import prompt_texts
+from ..figures.sink_criteria import census_figure, head_fraction_figure, head_heatmaps, layer_boxes, zero_k_figure
 from ..measures.criteria import census_summary
 from ..measures.strength import STRONG_SINK_G, THIRDS, WINDOWS_E4, window_sweep
 from ..runs.criteria import CriteriaRuns, TAU_SWEEP
@@ -99,19 +100,6 @@ def _one_model_reason(specs) -> tuple[bool, str]:
     return len(specs) >= 2, "one model in this run: there is no ordering of models to compare"
 
 
-def _subplot_grid(n: int) -> tuple[int, int]:
-    cols = min(n, 3)
-    return math.ceil(n / cols), cols
-
-
-def _subplots(titles, **kwargs):
-    from plotly.subplots import make_subplots
-    rows, cols = _subplot_grid(len(titles))
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(titles), **kwargs)
-    places = [(i // cols + 1, i % cols + 1) for i in range(len(titles))]
-    return fig, places, rows
-
-
 # ---- the models ------------------------------------------------------------------------------------------------
 
 def models_finding(infos: list[dict]) -> Finding:
@@ -160,18 +148,7 @@ def census_finding(census: dict, hidden_sizes: dict, tau: float, taus=TAU_SWEEP)
         capped = [f"{t:g}" for t in taus if t > r["sqrt(D)"]]
         if capped:
             notes.append(f"{spec}: sqrt(D) = {r['sqrt(D)']:.1f}, so Phi_VLM cannot fire at tau = {', '.join(capped)}.")
-    fig, places, n_rows = _subplots(specs, shared_yaxes=True)
-    colours = ["#d62728", "#ff7f0e", "#2ca02c", "#9467bd"]
-    for i, (spec, (row, col)) in enumerate(zip(specs, places)):
-        per_layer, n_tokens = census[spec]["layers"], census[spec]["n_tokens"]
-        fig.add_bar(x=per_layer.layer, y=per_layer.phi_llm_sinks / n_tokens, name="Phi_LLM", row=row, col=col,
-                    marker_color="black", showlegend=i == 0)
-        for t, colour in zip(taus, itertools.cycle(colours)):
-            fig.add_scatter(x=per_layer.layer, y=per_layer[f"phi_vlm_{t:g}"] / n_tokens, mode="lines+markers",
-                            name=f"Phi_VLM tau={t:g}", line_color=colour, row=row, col=col, showlegend=i == 0)
-    fig.update_yaxes(title_text="share of tokens flagged", col=1)
-    fig.update_xaxes(title_text="layer")
-    fig.update_layout(height=380 * n_rows + 40, title="Sink tokens per layer (OutRo Fig. 1a / A.2 analog)")
+    fig = census_figure({spec: (census[spec]["layers"], census[spec]["n_tokens"]) for spec in specs}, taus)
     table = pd.DataFrame(rows).drop(index=["Phi_LLM flags"])
     return Finding("Sinks per layer under Phi_LLM and Phi_VLM", claims=claims, table=table, figures=[fig],
                    notes=notes, data={"summary": rows})
@@ -219,18 +196,7 @@ def zero_k_finding(zero_k: dict) -> Finding:
                             ZERO_K_COLLAPSES, value=(ratio, dropped),
                             precondition=(n > 0, f"no layer pays token 0 an attention of {ZERO_K_SINK_LAYER:g} or "
                                                  f"more at baseline: there is no sink to suppress")))
-    specs = list(zero_k)
-    fig, places, n_rows = _subplots(specs, shared_yaxes=True)
-    for i, (spec, (row, col)) in enumerate(zip(specs, places)):
-        z = zero_k[spec]
-        fig.add_scatter(x=z.layer, y=z.before, name="baseline", line_color="black", row=row, col=col,
-                        showlegend=i == 0)
-        fig.add_scatter(x=z.layer, y=z.after, name="Zero-K top-1", line_color="#d62728", row=row, col=col,
-                        showlegend=i == 0)
-    fig.update_yaxes(title_text="attention to token 0", range=[0, 1], col=1)
-    fig.update_xaxes(title_text="layer")
-    fig.update_layout(height=360 * n_rows + 40, title="Zero-K (OutRo Fig. 4/5 analog)")
-    return Finding("Zero-K", claims=claims, table=pd.DataFrame(rows), figures=[fig])
+    return Finding("Zero-K", claims=claims, table=pd.DataFrame(rows), figures=[zero_k_figure(zero_k)])
 
 
 # ---- 4. Sink Strength ---------------------------------------------------------------------------------------------
@@ -283,7 +249,9 @@ def strength_finding(measured: dict) -> Finding:
                             _per_model("every real query but the first of each prompt is counted", spec),
                             m["n_gaps"] == m["expected_gaps"], ALL_QUERIES_COUNTED, expected=True))
     return Finding("Sink Strength S and the distribution of G", claims=claims, table=table.T,
-                   figures=[_head_heatmaps(measured), _layer_boxes(measured)], notes=notes)
+                   figures=[head_heatmaps({spec: m["heads"] for spec, m in measured.items()}),
+                            layer_boxes({spec: (m["boxes"], m["summary"]["window"]) for spec, m in measured.items()})],
+                   notes=notes)
 
 
 def architecture_finding(measured: dict, without_template: dict) -> Finding:
@@ -320,36 +288,6 @@ def architecture_finding(measured: dict, without_template: dict) -> Finding:
     notes = [f"Ordering per-head above no-QK-norm: {'yes' if native else 'no'} as scored above, "
              f"{'yes' if plain else 'no'} with no chat template for any model."]
     return Finding("Sink Strength and the QK-norm architecture", claims=[found], table=table, notes=notes)
-
-
-def _head_heatmaps(measured: dict):
-    specs = list(measured)
-    fig, places, n_rows = _subplots([f"{s}: median G per (layer, head)" for s in specs])
-    for spec, (row, col) in zip(specs, places):
-        grid = measured[spec]["heads"].pivot(index="head", columns="layer", values="median_G")
-        fig.add_heatmap(z=grid.values, x=grid.columns, y=grid.index, coloraxis="coloraxis", row=row, col=col)
-    fig.update_layout(height=340 * n_rows + 40, coloraxis=dict(colorscale="RdBu", cmid=0, colorbar_title="median G"))
-    fig.update_xaxes(title_text="layer")
-    fig.update_yaxes(title_text="head", col=1)
-    return fig
-
-
-def _layer_boxes(measured: dict):
-    """Box plots drawn from precomputed quartiles, so the page does not carry every gap."""
-    import plotly.graph_objects as go
-    specs = list(measured)
-    fig, places, n_rows = _subplots([f"{s}: G by layer (last {measured[s]['summary']['window']})" for s in specs],
-                                    shared_yaxes=True)
-    for spec, (row, col) in zip(specs, places):
-        b = measured[spec]["boxes"]
-        fig.add_trace(go.Box(x=b["layer"].astype(str), q1=b["q1"], median=b["median"], q3=b["q3"],
-                             lowerfence=b["lowerfence"], upperfence=b["upperfence"], marker_color="#1f77b4",
-                             showlegend=False), row=row, col=col)
-    fig.add_hline(y=STRONG_SINK_G, line_dash="dot", annotation_text=f"G = {STRONG_SINK_G:g}")
-    fig.update_layout(height=340 * n_rows + 40)
-    fig.update_xaxes(title_text="layer")
-    fig.update_yaxes(title_text="G", col=1)
-    return fig
 
 
 def cost_finding(timings: dict) -> Finding:
@@ -469,15 +407,7 @@ def head_fraction_finding(census: dict) -> Finding:
                             _per_model("token 0 is a sink by the head-fraction criterion in most layers", spec),
                             "not stated (the paper uses Sink^eps as a measure)", round(rows[spec][vote], 3),
                             HEAD_FRACTION_MOST_LAYERS, origin="ours"))
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["Sink^eps of token 0 per layer", "column mass M_0 per layer"])
-    for spec, c in census.items():
-        per_layer = c["layers"]
-        fig.add_scatter(x=per_layer.layer, y=per_layer.sink_eps, name=spec, row=1, col=1)
-        fig.add_scatter(x=per_layer.layer, y=per_layer.M_s, name=f"{spec} M_0", row=1, col=2)
-        fig.add_scatter(x=per_layer.layer, y=per_layer.S_s, name=f"{spec} S_0", line_dash="dot", row=1, col=2)
-    fig.update_xaxes(title_text="layer")
-    fig.update_layout(height=400, legend=dict(orientation="h", y=-0.25))
+    fig = head_fraction_figure({spec: c["layers"] for spec, c in census.items()})
     return Finding("Head fraction and column mass", claims=claims, table=pd.DataFrame(rows), figures=[fig])
 
 

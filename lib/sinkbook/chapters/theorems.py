@@ -26,6 +26,7 @@ import pandas as pd
 
 from ..core.claims import Finding, Rule, check, claim
 from ..core.profiles import NON_NEGATIVE, POSITIVE, Profiles, at_least
+from ..figures.theorems import compression_figure, lemma1_figure, qknorm_sweep_figure, theorem1_figure
 from ..measures import theory as th
 from .base import Chapter, finding
 
@@ -48,7 +49,6 @@ C2 = f"c = {th.QKNORM_BOUND_CONSTANT:g} is ours, a sharpening of the proof's c =
 # What App. A.6 prints for its one Theorem 1 draw and its Lemma 1 worked case.
 PAPER_A6 = dict(B_gap=0.169, bound=0.197, ratio=0.86, lemma_mass=0.069, lemma_G=3.0, lemma_B=0.4, lemma_N=64)
 CLAIMS_STATED_FOR_DRAWS = 1000      # below this many draws "some draw reaches the paper's ratio" is weakly tested
-MAX_DRAWS_PLOTTED = 1500
 ENERGY_SCALES = (2.0, 1.0, 0.5, 0.25, 0.1, 0.05)     # head 0's share of the layer's energy, relative
 MAGNITUDE_RANGE = (0, 3)                             # log10 of the smallest and largest input scale
 
@@ -89,9 +89,6 @@ def theorem1_plain_finding(single: dict, plain: dict, matched: dict | None = Non
     ``single``, ``plain``: ``theory.theorem1_no_qknorm`` on one seeded draw and on the batch of draws;
     ``matched`` (optional): the batch redrawn with the weight scale that puts the median bound at the paper's
     0.197 (keys ``weight_std``, ``median_bound``, ``median_B_gap``, ``max_B_gap``)."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
     ratio = plain["B_gap"] / plain["bound_specialised"]
     # Theorem 1 is a first-order statement (the exact B_gap may exceed it by the O(eps^2) term, which vl_t1_rigorous
     # bounds exactly): the must-hold check compares the first-order B_gap with the bound
@@ -142,24 +139,7 @@ def theorem1_plain_finding(single: dict, plain: dict, matched: dict | None = Non
     table = pd.DataFrame({"exact / specialised bound": q, "first order / vector-norm bound": _quantiles(ratio_vector)})
     table.index.name = "over draws"
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("B_gap / specialised bound", "B_gap against the bound"))
-    fig.add_trace(go.Histogram(x=ratio, nbinsx=60, name="ratio", showlegend=False), row=1, col=1)
-    fig.add_vline(x=PAPER_A6["ratio"], line_dash="dash", line_color="crimson", row=1, col=1,
-                  annotation_text=f"paper's draw ({PAPER_A6['ratio']})", annotation_position="top left")
-    fig.add_vline(x=1.0, line_color="black", row=1, col=1)
-    shown = np.random.default_rng(0).choice(n, size=min(MAX_DRAWS_PLOTTED, n), replace=False)
-    fig.add_trace(go.Scattergl(x=plain["bound_specialised"][shown], y=plain["B_gap"][shown], mode="markers",
-                               marker=dict(size=4, opacity=0.5), name="draws"), row=1, col=2)
-    lim = [float(plain["bound_specialised"].min()) * 0.5, float(plain["bound_specialised"].max()) * 1.5]
-    fig.add_trace(go.Scatter(x=lim, y=lim, mode="lines", line=dict(color="black"), name="B_gap = bound"),
-                  row=1, col=2)
-    fig.add_trace(go.Scatter(x=[PAPER_A6["bound"]], y=[PAPER_A6["B_gap"]], mode="markers",
-                             marker=dict(symbol="x", size=12, color="crimson"), name="paper's draw"), row=1, col=2)
-    fig.update_xaxes(title_text="ratio", row=1, col=1)
-    fig.update_xaxes(title_text="specialised bound", type="log", row=1, col=2)
-    fig.update_yaxes(title_text="draws", row=1, col=1)
-    fig.update_yaxes(title_text="B_gap (exact)", type="log", row=1, col=2)
-    fig.update_layout(height=420, legend=dict(orientation="h", y=-0.2))
+    fig = theorem1_figure(ratio, plain["bound_specialised"], plain["B_gap"], PAPER_A6)
     return Finding("Theorem 1 without QK-RMSNorm", claims=claims, table=table, figures=[fig], notes=notes,
                    data={"ratio_quantiles": {k: q[k] for k in ("5%", "50%", "95%", "99%")}, "ratio_max": q["max"]})
 
@@ -194,8 +174,6 @@ def theorem1_rope_finding(roped: dict, tight: dict) -> Finding:
 def qknorm_sweep_finding(sweep: dict, normed: dict) -> Finding:
     """Eq. 5 (per-head QK-RMSNorm) over a magnitude sweep (``theory.magnitude_sweep``) and, at scale 1, the
     smallest constant that covers every draw (``theory.theorem1_qknorm``)."""
-    import plotly.graph_objects as go
-
     scales = np.asarray(sweep["scale"])
     top = float(scales[-1])
     growth = float(sweep["B_gap_plain"][-1] / sweep["B_gap_plain"][0])
@@ -225,13 +203,7 @@ def qknorm_sweep_finding(sweep: dict, normed: dict) -> Finding:
     table = pd.DataFrame({"scale": scales, "B_gap plain": sweep["B_gap_plain"], "bound plain": sweep["bound_plain"],
                           "B_gap QK-norm": sweep["B_gap_qknorm"], "Eq. 5 bound": sweep["bound_qknorm"]})
     table = table.set_index("scale")
-    fig = go.Figure()
-    for key, name, dash in [("B_gap_plain", "B_gap, no QK-norm", None), ("bound_plain", "bound, no QK-norm", "dash"),
-                            ("B_gap_qknorm", "B_gap, per-head QK-norm", None),
-                            ("bound_qknorm", f"Eq. 5 bound (c = {th.QKNORM_BOUND_CONSTANT:g}, ours)", "dash")]:
-        fig.add_trace(go.Scatter(x=scales, y=sweep[key], mode="lines+markers", name=name, line=dict(dash=dash)))
-    fig.update_layout(title="Median B_gap as every hidden state is scaled", xaxis=dict(title="input scale", type="log"),
-                      yaxis=dict(title="nats", type="log"), height=420, legend=dict(orientation="h", y=-0.25))
+    fig = qknorm_sweep_figure(scales, sweep, th.QKNORM_BOUND_CONSTANT)
     return Finding("Theorem 1 with per-head QK-RMSNorm", claims=claims, table=table, figures=[fig], notes=notes,
                    data={"eq5_smallest_c": float(c_needed.max())})
 
@@ -256,8 +228,6 @@ def layerwise_envelopes_finding(envelopes: pd.DataFrame) -> Finding:
 def layerwise_compression_finding(comp: dict) -> Finding:
     """Head 0's sink lead under layerwise against per-head QK-RMSNorm as its energy share shrinks
     (``theory.compression_experiment``)."""
-    import plotly.graph_objects as go
-
     sink_heads = np.asarray(comp["sink_top1_per_head"], dtype=bool)
     compressed = sink_heads & (comp["max_compression"] < 1)
     expanded = sink_heads & (comp["max_compression"] > 1)
@@ -288,15 +258,8 @@ def layerwise_compression_finding(comp: dict) -> Finding:
     if len(table) > 1:
         notes.append(f"The median per-head lead varies by {np.ptp(table['G per-head'].to_numpy()):.1e} nats across "
                      f"energy scales: per-head normalisation does not see the head's share.")
-    fig = go.Figure()
-    fig.add_trace(go.Scattergl(x=comp["max_compression"][sink_heads],
-                               y=(comp["G_layerwise"] - comp["G_per_head"])[sink_heads], mode="markers",
-                               marker=dict(size=4, opacity=0.5), name="head 0, one draw"))
-    fig.add_vline(x=1.0, line_dash="dash")
-    fig.add_hline(y=0.0, line_color="black")
-    fig.update_layout(title="Sink lead under layerwise minus per-head QK-RMSNorm",
-                      xaxis=dict(title="largest logit compression factor H rho_q rho_k", type="log"),
-                      yaxis=dict(title="G layerwise - G per-head (nats)"), height=420)
+    fig = compression_figure(comp["max_compression"][sink_heads],
+                             (comp["G_layerwise"] - comp["G_per_head"])[sink_heads])
     return Finding("Compression under layerwise QK-RMSNorm", claims=claims, table=table, figures=[fig], notes=notes)
 
 
@@ -305,8 +268,6 @@ def layerwise_compression_finding(comp: dict) -> Finding:
 def lemma1_finding(paper_case: dict, random_cases: dict, example: dict) -> Finding:
     """Lemma 1: App. A.6's worked case (``theory.lemma1_paper_case``), random logits (``theory.lemma1_random``)
     and the case where the top-2 form is vacuous (``theory.lemma1_top2_example``)."""
-    import plotly.graph_objects as go
-
     mass, bound = paper_case["non_sink_mass"], paper_case["bound"]
     worst = float(np.max(random_cases["non_sink_mass"] / random_cases["bound"]))
     n = len(random_cases["G"])
@@ -335,15 +296,7 @@ def lemma1_finding(paper_case: dict, random_cases: dict, example: dict) -> Findi
         f"top-2 bound is {example['top2_bound_raw']:.2f} (vacuous) while the aggregate bound is "
         f"{example['aggregate_bound']:.4f} and the actual non-sink mass {example['non_sink_mass']:.4f}.",
     ]
-    fig = go.Figure()
-    fig.add_trace(go.Scattergl(x=random_cases["bound"], y=random_cases["non_sink_mass"], mode="markers",
-                               marker=dict(size=4, opacity=0.5), name="random instances"))
-    fig.add_trace(go.Scatter(x=[1e-6, 1], y=[1e-6, 1], mode="lines", line=dict(color="black"), name="equality"))
-    fig.add_trace(go.Scatter(x=[bound], y=[mass], mode="markers", marker=dict(symbol="x", size=12, color="crimson"),
-                             name="paper's case"))
-    fig.update_layout(title="Lemma 1: non-sink mass after perturbation against sigma(B - G)",
-                      xaxis=dict(title="sigma(B_gap - G)", type="log"), yaxis=dict(title="1 - a'_sink", type="log"),
-                      height=420)
+    fig = lemma1_figure(random_cases, bound, mass)
     return Finding("Lemma 1", claims=claims, figures=[fig], notes=notes)
 
 

@@ -25,6 +25,7 @@ from ..core.claims import NOT_COMPARABLE, Claim, Effect, Finding, Interest, Rule
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, above, subset_of
 from ..core.published import six_pairs
+from ..figures.vl_adaptation import capability_figure, dose_figure, erosion_figure, theorem1_figure
 from ..measures.regression import fit_line, spearman_rho
 from ..measures.stats import paired_bootstrap, paired_effect
 from ..runs import adaptation as jobs
@@ -168,8 +169,6 @@ def adaptation_finding(base: dict, runs: dict, models: list) -> Finding:
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     """Analysis 1: the change of every text task after vision and after text-only training, paired over items
     (per-item scores averaged over the seeds first)."""
-    from plotly.subplots import make_subplots
-
     rows, claims = [], []
     for model in models:
         learned = vision_learned(runs, model)[0]
@@ -222,40 +221,18 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     table = pd.DataFrame(rows)
     figures = []
     if not table.empty:
-        fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True)
-        for col, model in enumerate(models, start=1):
-            for modality, colour in (("vision", "#d62728"), ("text", "#1f77b4")):
-                t = table[(table.model == model) & (table.run == modality)]
-                fig.add_bar(x=t.task, y=t["change (pt)"], name=f"{modality} run", marker_color=colour,
-                            error_y=dict(type="data", symmetric=False, array=t.high - t["change (pt)"],
-                                         arrayminus=t["change (pt)"] - t.low), showlegend=col == 1, row=1, col=col)
-        fig.update_yaxes(title_text="change after training (pt), paired 95% interval", row=1, col=1)
-        fig.update_layout(height=380, barmode="group", title="Text capability after vision vs text-only training")
-        figures.append(fig)
+        figures.append(capability_figure(table, models))
         table = table.set_index(["model", "task", "run"])
     return Finding("Text capability after adaptation", claims=claims, table=table, figures=figures)
 
 
 def erosion_finding(base: dict, runs: dict, models: list) -> Finding:
     """Analysis 2: the sink and text skill along training, vision against text-only."""
-    from plotly.subplots import make_subplots
     traj = trajectory_table(runs, models)
     claims, rows, notes = [], [], []
     if traj.empty:
         return Finding("Sink erosion along training", notes=["No probes were recorded."])
-    panels = [("S", "Sink Strength S"), ("pos0_mass", "attention on the first token"),
-              ("margin_G_minus_B", "median G - median B"), ("arithmetic_strict", "arithmetic, strict (probe)"),
-              ("arithmetic_flexible", "arithmetic, flexible (probe)"), ("heldout_loss", "held-out text loss")]
-    panels = [(c, t) for c, t in panels if c in traj]
-    fig = make_subplots(rows=len(models), cols=len(panels), subplot_titles=[t for _ in models for _, t in panels])
-    colours = {"vision": "#d62728", "text": "#1f77b4"}
-    for r, model in enumerate(models, start=1):
-        for c, (column, _) in enumerate(panels, start=1):
-            for (modality, seed), t in traj[traj.model == model].groupby(["run", "seed"]):
-                t = t.sort_values("step")
-                fig.add_scatter(x=t.step, y=t[column], mode="lines+markers", line_color=colours[modality],
-                                name=f"{modality} run", legendgroup=modality, showlegend=(r, c, seed) == (1, 1, min(traj.seed)),
-                                row=r, col=c)
+    for model in models:
         learned = vision_learned(runs, model)[0]
         gate = (learned, "the vision runs did not learn the image task")
         # The S change is read from the full evaluation (all calibration prompts) against the unadapted model's,
@@ -310,15 +287,13 @@ def erosion_finding(base: dict, runs: dict, models: list) -> Finding:
                 f"{metric}: half of the loss at step {first_text:g}, half of the S drop at step {first_s:g}", EARLIER,
                 value=moved and first_text < first_s,
                 precondition=all_of(gate, (moved, "the probe's arithmetic score or S did not fall during the vision runs"))))
-    fig.update_layout(height=300 * len(models), title="Along training (probes; one line per seed)")
-    fig.update_xaxes(title_text="stage-2 step")
-    return Finding("Sink erosion along training", claims=claims, table=pd.DataFrame(rows), figures=[fig], notes=notes)
+    return Finding("Sink erosion along training", claims=claims, table=pd.DataFrame(rows),
+                   figures=[erosion_figure(traj, models)], notes=notes)
 
 
 def theorem1_finding(runs: dict, models: list) -> Finding:
     """Analysis 3: Theorem 1's bound against the logit-gap change the actual W_q / W_k updates cause."""
-    import plotly.graph_objects as go
-    rows, claims, fig = [], [], go.Figure()
+    rows, claims, points = [], [], {}
     for (model, modality, seed), doc in sorted(runs.items()):
         if model not in models or "theorem1" not in doc:
             continue
@@ -330,8 +305,7 @@ def theorem1_finding(runs: dict, models: list) -> Finding:
                      "max relative change": t.get("max_relative_change", float("nan"))})
         pts = doc.get("theorem1_points") or {}
         if pts.get("bound") and t["form"]:
-            fig.add_scatter(x=pts["bound"], y=pts["B_projection"], mode="markers", marker=dict(size=4, opacity=0.5),
-                            name=f"{model} {modality} s{seed}")
+            points[f"{model} {modality} s{seed}"] = (pts["bound"], pts["B_projection"])
     table = pd.DataFrame(rows)
     for model in models:
         mine = table[table.model == model] if not table.empty else table
@@ -362,18 +336,14 @@ def theorem1_finding(runs: dict, models: list) -> Finding:
                                 f"{model}: Theorem 1 bounds the gap change", "a bound", "no bound for this QK-norm",
                                 WITHIN, value=0.0, precondition=(False, "Theorem 1 covers no-QK-norm and per-head "
                                                                  "QK-norm; this model has neither")))
-    fig.add_scatter(x=[1e-4, 1e4], y=[1e-4, 1e4], mode="lines", line=dict(color="black", dash="dash"), name="B = bound")
-    fig.update_layout(height=420, title="Projection-only B_gap against Theorem 1's bound",
-                      xaxis=dict(title="bound", type="log"), yaxis=dict(title="B_gap (W_q, W_k of the run)", type="log"))
     notes = ["The realised B_gap (whole adapted model) also contains the drift of the hidden states, which the theorem "
              "holds fixed; it is shown for reference, not tested against the bound."]
-    return Finding("Theorem 1 on the actual updates", claims=claims, table=table, figures=[fig], notes=notes)
+    return Finding("Theorem 1 on the actual updates", claims=claims, table=table, figures=[theorem1_figure(points)],
+                   notes=notes)
 
 
 def dose_finding(base: dict, runs: dict, models: list, resamples: int = 2000) -> Finding:
     """Analysis 4: sink erosion against text-capability loss over every probe of every run, run-level bootstrap."""
-    import plotly.express as px
-
     claims, tables, figures = [], [], []
     for model in models:
         metric = probe_metric(base[model])
@@ -404,10 +374,7 @@ def dose_finding(base: dict, runs: dict, models: list, resamples: int = 2000) ->
             precondition=(varied, "fewer than three training strengths, or no variation in erosion or loss"),
             why_none="the rank correlation is undefined (a constant side)"))
         tables.append(pts.assign(model=model))
-        fig = px.scatter(pts, x="erosion", y="text loss", color="modality", symbol="run", hover_data=["step"],
-                         title=f"{model}: S_0 - S_t against the loss of {metric} (probe)")
-        fig.update_layout(height=360)
-        figures.append(fig)
+        figures.append(dose_figure(pts, model, metric))
     table = pd.concat(tables).groupby(["model", "modality", "step"])[["erosion", "text loss"]].mean() if tables else None
     return Finding("Dose and response", claims=claims, table=table, figures=figures)
 

@@ -13,9 +13,10 @@ import functools
 
 import pandas as pd
 
-from ..core.claims import Finding, Rule, claim
+from ..core.claims import Finding, Rule, claim, close_claim
 from ..core.profiles import Profiles
 from ..core.published import PRINT_1DP, PRINT_3DP, vl_paper_tables
+from ..figures.vl_margins import trajectory_figure
 from ..measures import regression as R
 from .base import Chapter, finding
 
@@ -52,12 +53,6 @@ MARGIN_SPLIT = Rule(f"every per-head pair: {NEAR_ZERO.text}; every no-QK-norm pa
                     lambda m: all(map(NEAR_ZERO, m["per-head"])) and all(map(STRONGLY_NEGATIVE, m["none"])))
 LAYERWISE_NEGATIVE = Rule(f"every layerwise pair: {STRONGLY_NEGATIVE.text} (nats; threshold ours, as above)",
                           lambda margins: all(map(STRONGLY_NEGATIVE, margins)))
-
-
-def close_claim(claim_id: str, kind: str, source: str, statement: str, paper_value: float, our_value: float,
-                tolerance: float, why: str, origin: str = "paper"):
-    return claim(claim_id, kind, source, statement, paper_value, float(our_value),
-                 Rule.close_to(paper_value, tolerance, "ours", why), origin=origin)
 
 
 def arithmetic_check(claim_id: str, source: str, what: str, paper_value: float, our_value: float, tolerance: float,
@@ -150,30 +145,7 @@ def trajectory_finding(t14: pd.DataFrame) -> Finding:
     notes = [f"The text-only run ends {text_loss:.1f} pt below its start; its mean loss over the later steps is "
              f"{float(t14.text_ifeval.iloc[0] - after.text_ifeval.mean()):.1f} pt. Within the VL run (steps after 0), "
              f"Spearman rho(S, IFEval) = {rho_within:+.2f}."]
-    return Finding("The trajectories of Table 14", claims=claims, figures=[_trajectory_figure(t14)], notes=notes)
-
-
-def _trajectory_figure(t14: pd.DataFrame):
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("Sink Strength by step", "IFEval by step",
-                                                        "IFEval against S (after step 0)"))
-    after = t14[t14.step > 0]
-    for run, s_col, ifeval_col, colour in (("VL adaptation", "vl_s", "vl_ifeval", "#d95f02"),
-                                           ("Tulu (text-only)", "text_s", "text_ifeval", "#1b9e77")):
-        fig.add_trace(go.Scatter(x=t14.step, y=t14[s_col], mode="lines+markers", name=run, legendgroup=run,
-                                 line=dict(color=colour)), row=1, col=1)
-        fig.add_trace(go.Scatter(x=t14.step, y=t14[ifeval_col], mode="lines+markers", name=run, legendgroup=run,
-                                 line=dict(color=colour), showlegend=False), row=1, col=2)
-        fig.add_trace(go.Scatter(x=after[s_col], y=after[ifeval_col], mode="markers", name=run, legendgroup=run,
-                                 marker=dict(color=colour), showlegend=False, customdata=after.step,
-                                 hovertemplate="step %{customdata}<br>S = %{x:.2f}<br>IFEval = %{y:.1f}<extra></extra>"),
-                      row=1, col=3)
-    fig.update_xaxes(title_text="step", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=2)
-    fig.update_xaxes(title_text="S", row=1, col=3)
-    fig.update_layout(height=360, legend=dict(orientation="h", y=-0.25))
-    return fig
+    return Finding("The trajectories of Table 14", claims=claims, figures=[trajectory_figure(t14)], notes=notes)
 
 
 def derived_numbers_finding(t3: pd.DataFrame, t6: pd.DataFrame, t8: pd.DataFrame, t9: pd.DataFrame,

@@ -25,6 +25,7 @@ import pandas as pd
 from ..core.claims import Finding, Interest, Rule, check, claim, label, signed, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
+from ..figures.vl_protection import capability_figure, sink_figure, tradeoff_figure
 from ..measures.stats import paired_bootstrap, paired_effect
 from ..runs import adaptation as jobs
 from ..runs.adaptation_records import (arm_items, arm_vision_items, has_headroom, interval_pt, items, probe_change,
@@ -158,8 +159,6 @@ def plain_loss_notes(base: dict, runs: dict, models: list, task: str = FORMAT_TA
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     """Every arm's text score and image accuracy: change from the unadapted model and difference from plain VL,
     paired over items (seed means), with 95% bootstrap intervals."""
-    from plotly.subplots import make_subplots
-
     rows = []
     for model in models:
         for arm in _arms(runs, model):
@@ -192,23 +191,13 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     table = pd.DataFrame(rows)
     figures = []
     if not table.empty:
-        fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True)
-        for col, model in enumerate(models, start=1):
-            t = table[table.model == model]
-            for task, colour in zip(TEXT_TASKS, ("#d62728", "#1f77b4")):
-                if f"_{task}_change" in t:
-                    fig.add_bar(x=t.arm, y=t[f"_{task}_change"], name=task, marker_color=colour,
-                                showlegend=col == 1, row=1, col=col)
-        fig.update_yaxes(title_text="change from the unadapted model (pt)", row=1, col=1)
-        fig.update_layout(height=400, barmode="group", title="Text capability after each intervention (seed means)")
-        figures.append(fig)
+        figures.append(capability_figure(table, models, TEXT_TASKS))
         table = table.drop(columns=[c for c in table if c.startswith("_")]).set_index(["model", "arm"])
     return Finding("Text capability and image accuracy per intervention", claims=claims, table=table, figures=figures)
 
 
 def tradeoff_finding(base: dict, runs: dict, models: list) -> Finding:
     """One point per arm and seed: share of the unadapted format-sensitive score kept against image accuracy."""
-    import plotly.express as px
     rows = []
     for (model, arm, seed), doc in runs.items():
         if model not in models:
@@ -219,20 +208,13 @@ def tradeoff_finding(base: dict, runs: dict, models: list) -> Finding:
             rows.append({"model": model, "arm": LABELS.get(arm, arm), "seed": seed,
                          "text kept": score / b, "image accuracy": doc["vision"]["accuracy"]})
     table = pd.DataFrame(rows)
-    figures = []
-    if not table.empty:
-        fig = px.scatter(table, x="image accuracy", y="text kept", color="arm", symbol="model", hover_data=["seed"],
-                         title=f"Trade-off: {FORMAT_TASK} kept (share of the unadapted score) against image accuracy")
-        fig.add_hline(y=1.0, line_dash="dash", annotation_text="unadapted")
-        fig.update_layout(height=420)
-        figures.append(fig)
+    figures = [tradeoff_figure(table, FORMAT_TASK)] if not table.empty else []
     return Finding("The trade-off", table=table.set_index(["model", "arm", "seed"]) if not table.empty else None,
                    figures=figures)
 
 
 def sink_finding(base: dict, runs: dict, models: list) -> Finding:
     """The sink at the end of training (evaluation) and its change along training (probes), per arm and seed."""
-    from plotly.subplots import make_subplots
     rows = []
     for (model, arm, seed), doc in sorted(runs.items()):
         if model not in models:
@@ -242,15 +224,8 @@ def sink_finding(base: dict, runs: dict, models: list) -> Finding:
                      "S change (probes)": probe_change(doc, "S"), "median G - B": sink.get("margin_G_minus_B"),
                      "first-token attention": sink.get("pos0_mass")})
     table = pd.DataFrame(rows)
-    fig = make_subplots(rows=1, cols=max(1, len(models)), subplot_titles=models)
-    for col, model in enumerate(models, start=1):
-        for (m, arm, seed), doc in sorted(runs.items()):
-            probes = sorted(doc.get("probes") or [], key=lambda p: p["step"])
-            if m != model or not probes:
-                continue
-            fig.add_scatter(x=[p["step"] for p in probes], y=[p["S"] for p in probes], mode="lines+markers",
-                            name=f"{LABELS.get(arm, arm)} s{seed}", row=1, col=col)
-    fig.update_layout(height=380, title="Sink Strength along stage 2 (probes)")
+    fig = sink_figure({model: [(f"{LABELS.get(arm, arm)} s{seed}", doc.get("probes") or [])
+                               for (m, arm, seed), doc in sorted(runs.items()) if m == model] for model in models})
     notes = [f"{model}: unadapted S {base[model]['sink']['S']:.3f}." for model in models if model in base]
     return Finding("The sink per intervention", table=table.set_index(["model", "arm", "seed"]) if not table.empty
                    else None, figures=[fig], notes=notes)

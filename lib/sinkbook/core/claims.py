@@ -208,6 +208,14 @@ def claim(id: str, kind: str, source: str, statement: str, paper_value, our_valu
                  origin=origin)
 
 
+def close_claim(id: str, kind: str, source: str, statement: str, paper_value: float, our_value: float,
+                tolerance: float, why: str, origin: str = "paper") -> Claim:
+    """A claim that ``our_value`` lies within ``tolerance`` of ``paper_value``; the tolerance is ours and ``why``
+    says where it comes from (the predictor and VL-margins chapters recompute the paper's numbers this way)."""
+    return claim(id, kind, source, statement, paper_value, float(our_value),
+                 Rule.close_to(paper_value, tolerance, "ours", why), origin=origin)
+
+
 def check(id: str, statement: str, measured, rule: Rule, expected="", source: str = "ours", value=None) -> Claim:
     """A must-hold check of our own code (kind "math"): an exact identity, a count that must be zero.
     ``value``: what the rule tests, when it is not the number shown (``measured``)."""

@@ -137,3 +137,10 @@ def paired_effect(test: PairedTest, seeds: int, paper_direction: int = +1, scale
         name = "exact McNemar, Agresti-Min interval"
     ends = sorted((paper_direction * low * scale, paper_direction * high * scale))
     return Effect(paper_direction * test.effect * scale, ends[0], ends[1], level, name, test.n, seeds, units)
+
+
+def effect_in_points(test: PairedTest, paper_direction: int = +1) -> "Effect":
+    """A paired test of rates on one seed (an exact McNemar on prompts or questions), as its effect in percentage
+    points; ``paper_direction=-1`` when the paper says the second setting is worse. The OutRo chapters score every
+    comparison of two settings this way."""
+    return paired_effect(test, seeds=1, paper_direction=paper_direction, scale=100, units="pt")
