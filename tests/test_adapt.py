@@ -163,12 +163,18 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path):
         else:
             assert h2["grad_norm"] == pytest.approx(h1["grad_norm"], rel=1e-4)
     # Weights: AdamW divides by the root of tiny second moments, so float32 rounding between one and two
-    # processes moves a few near-zero-gradient parameters by a few percent of a step; bound it by that.
+    # processes moves a handful of near-zero-gradient elements by a tenth of a step or so (the max-element
+    # distance is no guide). A wrong reduction or a different batch moves the whole update by O(1), so test the
+    # update as a whole and count the elements that stray.
     a, b = _state(tmp_path / "one" / "model"), _state(tmp_path / "two" / "model")
     before = {f"llm.{k}": v for k, v in load_model("tiny-llama", device="cpu").model.state_dict().items()}
-    step = max((a[k] - before[k]).abs().max().item() for k in before)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= 0.05 * step, (worst, step)
+    update = torch.cat([(a[k] - before[k]).flatten() for k in before])
+    between = torch.cat([(a[k] - b[k]).flatten() for k in before])
+    assert between.norm() <= 1e-3 * update.norm(), (between.norm().item(), update.norm().item())
+    strays = (between.abs() > 0.01 * update.abs().max()).float().mean().item()
+    assert strays <= 1e-3, strays
+    projector = [k for k in a if k.startswith("projector.")]
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=0.2 * update.abs().max().item()) for k in projector)
 
 
 def test_bad_configurations_are_refused_with_a_reason():
