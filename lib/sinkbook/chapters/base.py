@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import time
 import types
 from typing import Callable, ClassVar
@@ -43,6 +44,21 @@ def finding(method: Callable) -> Callable:
         return self._findings[name]
     memoised.is_finding = True
     return memoised
+
+
+class finding_of:
+    """A finding method in one line: ``accuracy = finding_of(accuracy_finding, "measured", "settings.models")``
+    is ``accuracy_finding(self.measured, self.settings.models)``, memoised like ``@finding``; a chapter class
+    then reads as the notebook's table of contents."""
+
+    def __init__(self, function: Callable[..., Finding], *inputs: str):
+        self.function, self.getters = function, [operator.attrgetter(name) for name in inputs]
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        def method(chapter) -> Finding:
+            return self.function(*(get(chapter) for get in self.getters))
+        method.__name__, method.__qualname__, method.__doc__ = name, f"{owner.__name__}.{name}", self.function.__doc__
+        setattr(owner, name, finding(method))      # before __init_subclass__ lists the findings
 
 
 def all_of(*conditions: tuple[bool, str]) -> tuple[bool, str]:

@@ -43,7 +43,7 @@ from ..measures.stats import effect_in_points, mcnemar_exact, min_pairs_to_decid
 from ..runs import adaptation as adaptation_jobs
 from ..runs.adaptation_records import vision_learned
 from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_adapted
-from .base import Chapter, all_of, finding
+from .base import Chapter, all_of, finding_of
 
 
 NAME = "outro_multimodal"
@@ -541,41 +541,15 @@ class OutRoMultimodalChapter(Chapter):
         self.timings.update(seconds)
         return measured
 
-    @finding
-    def models(self) -> Finding:
-        return models_finding(self.measured, self.adaptation)
-
-    @finding
-    def rotation_strength(self) -> Finding:
-        return rotation_strength_finding(self.measured)
-
-    @finding
-    def accuracy(self) -> Finding:
-        return accuracy_finding(self.measured)
-
-    @finding
-    def redistribution(self) -> Finding:
-        return redistribution_finding(self.measured)
-
-    @finding
-    def pruning(self) -> Finding:
-        return pruning_finding(self.measured)
-
-    @finding
-    def identification(self) -> Finding:
-        return identification_finding(self.measured)
-
-    @finding
-    def zero_k(self) -> Finding:
-        return zero_k_finding(self.measured)
-
-    @finding
-    def geometry(self) -> Finding:
-        return geometry_finding(self.measured)
-
-    @finding
-    def relaxation(self) -> Finding:
-        return relaxation_finding(self.measured)
+    models = finding_of(models_finding, "measured", "adaptation")
+    rotation_strength = finding_of(rotation_strength_finding, "measured")
+    accuracy = finding_of(accuracy_finding, "measured")
+    redistribution = finding_of(redistribution_finding, "measured")
+    pruning = finding_of(pruning_finding, "measured")
+    identification = finding_of(identification_finding, "measured")
+    zero_k = finding_of(zero_k_finding, "measured")
+    geometry = finding_of(geometry_finding, "measured")
+    relaxation = finding_of(relaxation_finding, "measured")
 
     def model_records(self) -> list[dict]:
         return [m["record"] for m in self.measured.values()]

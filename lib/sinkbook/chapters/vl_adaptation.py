@@ -33,7 +33,7 @@ from ..runs.adaptation_records import (arm_items, dose_points, half_step, has_he
                                        items, seeds_of, trajectory_table)
 from ..runs.adaptation_records import probe_metric, vision_learned as learned_images
 from ..training.digits import TASKS
-from .base import Chapter, all_of, finding
+from .base import Chapter, all_of, finding, finding_of
 
 
 NAME = "vl_adaptation"
@@ -442,6 +442,9 @@ class VLAdaptationChapter(Chapter):
         self.timings["records"] = round(time.perf_counter() - start, 1)
         return base, runs
 
+    base = property(lambda self: self.records[0])
+    runs = property(lambda self: self.records[1])
+
     @finding
     def run(self) -> Finding:
         base, runs = self.records
@@ -456,30 +459,12 @@ class VLAdaptationChapter(Chapter):
                  f"{st.probe_arithmetic} arithmetic items."]
         return Finding("Runs", table=table, notes=notes)
 
-    @finding
-    def adaptation(self) -> Finding:
-        return adaptation_finding(*self.records, self.settings.models)
-
-    @finding
-    def capability(self) -> Finding:
-        return capability_finding(*self.records, self.settings.models)
-
-    @finding
-    def erosion(self) -> Finding:
-        return erosion_finding(*self.records, self.settings.models)
-
-    @finding
-    def theorem1(self) -> Finding:
-        return theorem1_finding(self.records[1], self.settings.models)
-
-    @finding
-    def dose_response(self) -> Finding:
-        return dose_finding(*self.records, self.settings.models)
-
-    @finding
-    def across_models(self) -> Finding:
-        return across_models_finding(*self.records, self.settings.models)
-
+    adaptation = finding_of(adaptation_finding, "base", "runs", "settings.models")
+    capability = finding_of(capability_finding, "base", "runs", "settings.models")
+    erosion = finding_of(erosion_finding, "base", "runs", "settings.models")
+    theorem1 = finding_of(theorem1_finding, "runs", "settings.models")
+    dose_response = finding_of(dose_finding, "base", "runs", "settings.models")
+    across_models = finding_of(across_models_finding, "base", "runs", "settings.models")
     def model_records(self) -> list[dict]:
         return [d["model"]["record"] for d in self.records[0].values()]
 

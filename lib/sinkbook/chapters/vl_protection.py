@@ -31,7 +31,7 @@ from ..runs import adaptation as jobs
 from ..runs.adaptation_records import (arm_items, arm_vision_items, has_headroom, interval_pt, items, probe_change,
                                       probe_metric, seeds_of, vision_learned)
 from ..training.remedies import INTERVENTIONS
-from .base import Chapter, all_of, finding
+from .base import Chapter, all_of, finding, finding_of
 
 
 NAME = "vl_protection"
@@ -489,6 +489,10 @@ class VLProtectionChapter(Chapter):
         self.timings["records"] = round(time.perf_counter() - start, 1)
         return base, runs, starts
 
+    base = property(lambda self: self.records[0])
+    runs = property(lambda self: self.records[1])
+    starts = property(lambda self: self.records[2])
+
     @finding
     def run(self) -> Finding:
         runs = self.records[1]
@@ -500,40 +504,14 @@ class VLProtectionChapter(Chapter):
                  *plain_loss_notes(*self.records[:2], self.models)]
         return Finding("Runs", table=table, notes=notes)
 
-    @finding
-    def capability(self) -> Finding:
-        return capability_finding(*self.records[:2], self.models)
-
-    @finding
-    def tradeoff(self) -> Finding:
-        return tradeoff_finding(*self.records[:2], self.models)
-
-    @finding
-    def sink(self) -> Finding:
-        return sink_finding(*self.records[:2], self.models)
-
-    @finding
-    def protection(self) -> Finding:
-        return protection_finding(*self.records[:2], self.models)
-
-    @finding
-    def fixed_norm(self) -> Finding:
-        base, runs, starts = self.records
-        return fixed_norm_finding(base, runs, starts, self.models)
-
-    @finding
-    def injection(self) -> Finding:
-        return injection_finding(*self.records[:2], self.models)
-
-    @finding
-    def merging(self) -> Finding:
-        return merging_finding(*self.records[:2], self.models)
-
-    @finding
-    def task_choice(self) -> Finding:
-        base, runs, starts = self.records
-        return task_choice_finding(base, runs, starts, self.models)
-
+    capability = finding_of(capability_finding, "base", "runs", "models")
+    tradeoff = finding_of(tradeoff_finding, "base", "runs", "models")
+    sink = finding_of(sink_finding, "base", "runs", "models")
+    protection = finding_of(protection_finding, "base", "runs", "models")
+    fixed_norm = finding_of(fixed_norm_finding, "base", "runs", "starts", "models")
+    injection = finding_of(injection_finding, "base", "runs", "models")
+    merging = finding_of(merging_finding, "base", "runs", "models")
+    task_choice = finding_of(task_choice_finding, "base", "runs", "starts", "models")
     def model_records(self) -> list[dict]:
         return [d["model"]["record"] for d in self.records[0].values()]
 
