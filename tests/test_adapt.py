@@ -260,3 +260,25 @@ def test_a_configuration_rebuilds_from_its_record_with_the_same_cache_key():
                 AdaptConfig("tiny-llama", "vision", seed=2, intervention="lora")):
         again = AdaptConfig(**cfg.record())
         assert again == cfg and again.key("x") == cfg.key("x") and isinstance(again.tasks, tuple)
+
+
+def test_each_seed_trains_and_reads_its_own_encoder(monkeypatch, tmp_path):
+    from sinkbook.training import adapt as A
+    from sinkbook.training.vlm import DigitEncoder
+    monkeypatch.setenv("SINKBOOK_CACHE", str(tmp_path))
+    trained = []
+
+    def quick_encoder(images, labels, seed, epochs, width):      # the real one takes ~40 s; the seed is what counts
+        trained.append(seed)
+        torch.manual_seed(seed)
+        return DigitEncoder(width)
+    monkeypatch.setattr(A, "train_encoder", quick_encoder)
+    three, four, three_again = A.vision_encoder("cpu", 3), A.vision_encoder("cpu", 4), A.vision_encoder("cpu", 3)
+    assert trained == [3, 4] and A.encoder_path(3).exists() and A.encoder_path(3) != A.encoder_path(4)
+    first = next(iter(three.state_dict()))
+    assert torch.equal(three.state_dict()[first], three_again.state_dict()[first])
+    assert not torch.equal(three.state_dict()[first], four.state_dict()[first])
+    run = adapt(AdaptConfig("tiny-llama", steps=1, stage1_steps=0, align_steps=0, batch_size=2, seed=5),
+                device="cpu", use_cache=False, progress=False, out=tmp_path / "run")
+    assert trained == [3, 4, 5]
+    assert torch.equal(run.vlm.encoder.state_dict()[first], A.vision_encoder("cpu", 5).state_dict()[first])

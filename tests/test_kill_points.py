@@ -25,7 +25,7 @@ from sinkbook.runs.adaptation import EVAL_FORMAT, PROBE_FORMAT, run_adaptation_j
 from sinkbook.training import adapt as A
 from sinkbook.training.vlm import DigitEncoder
 
-encoder = A.cache_root() / "vision" / f"digit-encoder-w{A.ENCODER_WIDTH}-e{A.ENCODER_EPOCHS}-s{A.ENCODER_SEED}.pt"
+encoder = A.encoder_path(0)
 if not encoder.exists():
     encoder.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
