@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..core.paths import kill_point, staging
+from ..core.precision import autocast, check_precision
 
 
 class CachedRunVersionWarning(UserWarning):
@@ -122,12 +123,15 @@ def causal_lm_loss(model, batch) -> torch.Tensor:
 
 def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: Callable[[int], float],
         loss_fn: Callable = causal_lm_loss, clip: float | None = 1.0, callbacks: Iterable = (),
-        accelerator=None, progress: bool = True, desc: str = "training") -> FitResult:
+        accelerator=None, progress: bool = True, desc: str = "training", precision: str = "float32") -> FitResult:
     """Train ``model`` in place for ``steps`` steps; see the module docstring. Returns the history.
 
     ``batch_at(step)`` gives the batch of step ``step`` (0-based) on any device; it is moved to the model's.
     ``accelerator``: an ``accelerate.Accelerator``; by default one is made for the model's device. Under
-    several processes ``batch_at`` should return this process's share of the global batch."""
+    several processes ``batch_at`` should return this process's share of the global batch. ``precision``:
+    "bfloat16" runs the forward pass and loss under bfloat16 autocast (``core.precision``); weights, gradients
+    and the optimiser stay float32."""
+    check_precision(precision)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if accelerator is None:
@@ -152,7 +156,8 @@ def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: 
         lr = lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
-        loss = loss_fn(model, batch)
+        with autocast(precision, str(accelerator.device)):
+            loss = loss_fn(model, batch).float()
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")

@@ -1,0 +1,51 @@
+"""core.precision: float32 leaves a forward pass alone; bfloat16 autocasts its products and keeps the weights."""
+import pytest
+import torch
+
+from sinkbook.core.precision import autocast, check_precision, fast_bfloat16
+
+
+def test_float32_is_untouched_and_bfloat16_autocasts_the_products():
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with autocast("float32"):
+        exact = layer(x)
+    with autocast("bfloat16"):
+        fast = layer(x)
+    assert exact.dtype == torch.float32 and fast.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32
+    torch.testing.assert_close(fast.float(), exact, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(fast.float(), exact)          # the products really ran in bfloat16
+
+
+def test_a_training_step_under_bfloat16_keeps_float32_weights_and_gradients():
+    layer = torch.nn.Linear(8, 4)
+    with autocast("bfloat16"):
+        out = layer(torch.randn(2, 8))
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.float32
+
+
+def test_unknown_precision_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got 'fp16'"):
+        check_precision("fp16")
+    assert isinstance(fast_bfloat16("cpu"), bool)
+
+
+def test_fit_in_bfloat16_tracks_float32_and_keeps_float32_weights():
+    from sinkbook.core.models import load_model
+    from sinkbook.training.loop import fit
+    batch = torch.randint(0, 200, (4, 24), generator=torch.Generator().manual_seed(0))
+    histories, weights = {}, {}
+    for precision in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = load_model("tiny-llama", device="cpu").model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        result = fit(model, optimizer, lambda step: batch, 3, lambda step: 1e-3, progress=False, precision=precision)
+        histories[precision] = [row["loss"] for row in result.history]
+        weights[precision] = {n: p.dtype for n, p in model.named_parameters()}
+    assert set(weights["bfloat16"].values()) == {torch.float32}
+    assert histories["bfloat16"] != histories["float32"]                 # the products did run in bfloat16
+    assert histories["bfloat16"] == pytest.approx(histories["float32"], rel=1e-2)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fit(model, optimizer, lambda step: batch, 1, lambda step: 1e-3, progress=False, precision="half")
