@@ -2,6 +2,8 @@
 and two-process training under accelerate against one process with the same global batch."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import subprocess
 import sys
@@ -282,3 +284,22 @@ def test_each_seed_trains_and_reads_its_own_encoder(monkeypatch, tmp_path):
                 device="cpu", use_cache=False, progress=False, out=tmp_path / "run")
     assert trained == [3, 4, 5]
     assert torch.equal(run.vlm.encoder.state_dict()[first], A.vision_encoder("cpu", 5).state_dict()[first])
+
+
+def test_bfloat16_runs_are_keyed_apart_and_float32_keys_stay_as_they_were(tmp_path):
+    plain = AdaptConfig("tiny-llama", steps=1, stage1_steps=1, align_steps=0, batch_size=2)
+    fast = dataclasses.replace(plain, precision="bfloat16")
+    assert "precision" not in plain.record() and fast.record()["precision"] == "bfloat16"
+    assert plain.key() != fast.key()
+    from sinkbook.runs.adaptation import RECIPE, eval_spec
+    assert "precision" not in eval_spec(RECIPE.resolve("default", precision="float32"))
+    assert eval_spec(RECIPE.resolve("default", precision="bfloat16"))["precision"] == "bfloat16"
+    with pytest.raises(ValueError, match="precision"):
+        AdaptConfig("tiny-llama", precision="float16")
+    run = adapt(fast, device="cpu", use_cache=False, progress=False, out=tmp_path / "fast")
+    reference = adapt(plain, device="cpu", use_cache=False, progress=False, out=tmp_path / "plain")
+    losses = [h["loss"] for h in run.history]
+    assert losses != [h["loss"] for h in reference.history]                      # trained in bfloat16
+    assert losses == pytest.approx([h["loss"] for h in reference.history], rel=2e-2)
+    assert {p.dtype for p in run.vlm.parameters()} == {torch.float32}
+    assert AdaptConfig(**run.config.record()) == fast                              # the record round-trips

@@ -73,7 +73,8 @@ def cmd_adapt(args) -> int:
     from ..training.adapt import AdaptConfig, adapt
     from ..training.probes import AdaptationProbe
     cfg = AdaptConfig(args.model, modality=args.modality, steps=args.steps, lr=args.lr, seed=args.seed,
-                      stage1_steps=args.stage1_steps, batch_size=args.batch_size, probe_every=args.steps)
+                      stage1_steps=args.stage1_steps, batch_size=args.batch_size, probe_every=args.steps,
+                      precision=args.precision)
     out = _writable_directory(args.out)
     with _only_writer(out):
         _check_empty_of_runs(out)            # again, now that no other process can be writing it
@@ -84,7 +85,8 @@ def cmd_adapt(args) -> int:
                 (out / LOCK).unlink(missing_ok=True)
                 out.rmdir()
             raise
-        probe = AdaptationProbe(reference, arithmetic=args.probe_items, vision=args.probe_items, heldout_windows=2)
+        probe = AdaptationProbe(reference, arithmetic=args.probe_items, vision=args.probe_items, heldout_windows=2,
+                                precision=args.precision)
         run = adapt(cfg, probe=probe, device=args.device, use_cache=False, progress=not args.json, out=out)
     if int(os.environ.get("RANK", "0")) != 0:      # under torchrun, one process reports
         return 0
@@ -160,6 +162,8 @@ def register_cli(subparsers) -> None:
     a.add_argument("--stage1-steps", type=_count, default=30, help="projector-only steps before (vision only)")
     a.add_argument("--batch-size", type=_positive, default=8)
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: autocast over float32 weights (faster where the CPU has AVX512-BF16; scripts/bench_dtype.py)")
     a.add_argument("--probe-items", type=_positive, default=24, help="arithmetic / image questions in the probes")
     a.add_argument("--out", required=True, help="folder for the adapted model (created; must not hold one already)")
     a.add_argument("--json", action="store_true", help="print JSON instead of the progress bar and summary")

@@ -23,7 +23,8 @@ import pandas as pd
 
 from ..core.claims import NOT_COMPARABLE, Claim, Effect, Finding, Interest, Rule, check, claim, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
-from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, above, subset_of
+from ..core.precision import PRECISIONS
+from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, above, one_of, subset_of
 from ..core.published import six_pairs
 from ..figures.vl_adaptation import capability_figure, dose_figure, erosion_figure, theorem1_figure
 from ..measures.regression import fit_line, spearman_rho
@@ -52,7 +53,8 @@ PROFILES = Profiles({p: dict(models=_MODELS[p], seeds=_SEEDS[p], **jobs.RECIPE.t
                     limits=dict(models=NON_EMPTY, seeds=NON_EMPTY, tasks=subset_of(TASKS), steps=POSITIVE,
                                 stage1_steps=POSITIVE, lr=above(0), stage1_lr=above(0), batch_size=POSITIVE,
                                 probe_every=POSITIVE, arithmetic=POSITIVE, knowledge=POSITIVE, vision=POSITIVE,
-                                heldout_windows=POSITIVE, window=POSITIVE, workers=POSITIVE))
+                                heldout_windows=POSITIVE, window=POSITIVE, workers=POSITIVE,
+                                precision=one_of(*PRECISIONS)))
 # The task that compares the two models: a format-sensitive task both have headroom on (the paper's S ranks
 # backbones on every format-sensitive task, Table 4); IFEval is measured on chat models only by default.
 ACROSS_TASK = "arithmetic_flexible"

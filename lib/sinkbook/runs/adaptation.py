@@ -22,7 +22,8 @@ from ..core.arch import arch_for
 from ..core.claims import slug
 from ..core.models import encode, load_model, resolve_device
 from ..core.paths import cache_key, cache_root, entry_lock, kill_point, write_json
-from ..core.profiles import Profiles
+from ..core.precision import PRECISIONS, autocast
+from ..core.profiles import Profiles, one_of
 from ..core.prompts import prompt_texts
 from ..interventions.merging import merge_models
 from ..interventions.qknorm import fix_qk_norm, inject_qk_norm
@@ -50,16 +51,16 @@ RECIPE = Profiles({
     "quick": dict(tasks=list(SINGLE_DIGIT), steps=6, stage1_steps=4, lr=2e-4, stage1_lr=3e-4, batch_size=4,
                   probe_every=3, probe_arithmetic=8, probe_vision=0, probe_prompts=8, probe_heldout_windows=1,
                   probe_heldout_length=64, arithmetic=12, knowledge=16, ifeval=8, ifeval_tokens=32,
-                  ifeval_base_models=False, vision=20, heldout_windows=2, window=10),
+                  ifeval_base_models=False, vision=20, heldout_windows=2, window=10, precision="float32"),
     "default": dict(tasks=list(SINGLE_DIGIT), steps=60, stage1_steps=20, lr=2e-4, stage1_lr=3e-4, batch_size=4,
                     probe_every=20, probe_arithmetic=8, probe_vision=0, probe_prompts=8, probe_heldout_windows=1,
                     probe_heldout_length=64, arithmetic=60, knowledge=103, ifeval=115, ifeval_tokens=48,
-                    ifeval_base_models=False, vision=100, heldout_windows=8, window=10),
+                    ifeval_base_models=False, vision=100, heldout_windows=8, window=10, precision="float32"),
     "gpu": dict(tasks=list(TASKS), steps=1000, stage1_steps=300, lr=2e-5, stage1_lr=1e-4, batch_size=32,
                 probe_every=100, probe_arithmetic=60, probe_vision=60, probe_prompts=15, probe_heldout_windows=2,
                 probe_heldout_length=128, arithmetic=200, knowledge=103, ifeval=115, ifeval_tokens=256,
-                ifeval_base_models=True, vision=300, heldout_windows=32, window=10),
-})
+                ifeval_base_models=True, vision=300, heldout_windows=32, window=10, precision="bfloat16"),
+}, limits=dict(precision=one_of(*PRECISIONS)))
 
 
 def recipe(profile: str, device: str = "auto", **overrides):
@@ -73,9 +74,12 @@ def eval_spec(s) -> dict:
     """What a job evaluates; its hash keys the cached evaluation (training is keyed by the run's configuration).
     IFEval-style compliance follows the paper's instruct protocol (chat template); on a base model it needs a
     few-shot format and costs minutes per evaluation, so ``ifeval_base_models`` decides."""
-    return {"format": EVAL_FORMAT, "arithmetic": s.arithmetic, "knowledge": s.knowledge, "ifeval": s.ifeval,
+    spec = {"format": EVAL_FORMAT, "arithmetic": s.arithmetic, "knowledge": s.knowledge, "ifeval": s.ifeval,
             "ifeval_tokens": s.ifeval_tokens, "ifeval_base_models": s.ifeval_base_models, "vision": s.vision,
             "heldout_windows": s.heldout_windows, "window": s.window}
+    if s.precision != "float32":             # float32 evaluations keep the keys they had before the setting
+        spec["precision"] = s.precision
+    return spec
 
 
 def probe_spec(s) -> dict:
@@ -86,7 +90,8 @@ def probe_spec(s) -> dict:
 
 def adapt_configs(s) -> list:
     return [AdaptConfig(model, modality, steps=s.steps, lr=s.lr, stage1_steps=s.stage1_steps, stage1_lr=s.stage1_lr,
-                        batch_size=s.batch_size, seed=seed, probe_every=s.probe_every, tasks=tuple(s.tasks))
+                        batch_size=s.batch_size, seed=seed, probe_every=s.probe_every, tasks=tuple(s.tasks),
+                        precision=s.precision)
             for model in s.models for modality in ("vision", "text") for seed in s.seeds]
 
 
@@ -145,7 +150,7 @@ def _train_and_evaluate(job: dict, cfg, tag: str, spec: dict, device: str) -> st
     probe = AdaptationProbe(reference, window=job["probe"]["window"], arithmetic=job["probe"]["arithmetic"],
                             vision=job["probe"]["vision"], heldout_windows=job["probe"]["heldout_windows"],
                             heldout_length=job["probe"]["heldout_length"], prompts=job["probe"]["prompts"],
-                            tasks=cfg.tasks)
+                            tasks=cfg.tasks, precision=cfg.precision)
     run = adapt(cfg, probe=probe, probe_tag=tag, device=device, progress=job.get("progress", False))
     result = evaluate(run.loaded, run.vlm, run.fmt, spec, reference=reference, modality=cfg.modality, tasks=cfg.tasks,
                       theorem1=cfg.intervention not in CHANGES_NORMS)
@@ -209,17 +214,20 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
     """The full suite on one model (``vlm`` None: an unadapted model): text tasks with per-item outcomes,
     held-out loss, the sink on the calibration prompts, and for adapted models the margin against ``reference``,
     Theorem 1 on the weight update (``theorem1``: not for a model whose QK-norm was changed, whose attention is
-    no longer the reference's with other weights) and (vision runs) held-out image-task accuracy."""
+    no longer the reference's with other weights) and (vision runs) held-out image-task accuracy. The text tasks,
+    held-out loss and image questions run in ``spec["precision"]`` (float32 when absent); the sink and Theorem 1
+    compare against the reference exactly, in float32."""
 
     start = time.perf_counter()
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     ifeval = spec["ifeval"] if (chat or spec["ifeval_base_models"]) else 0
+    context = lambda: autocast(spec.get("precision", "float32"), str(loaded.device))
     suite = run_suite(loaded, arithmetic=spec["arithmetic"], knowledge=spec["knowledge"], ifeval=ifeval,
-                      ifeval_tokens=spec["ifeval_tokens"])
+                      ifeval_tokens=spec["ifeval_tokens"], context=context)
     kill_point("evaluate-adapted" if vlm is not None else "evaluate")
     windows = heldout_text_windows(loaded.tokenizer, spec["heldout_windows"], 128)[0]
     out = {"tasks": {name: r.to_dict() for name, r in suite.items()},
-           "heldout_loss": heldout_loss(loaded, windows).per_window}
+           "heldout_loss": heldout_loss(loaded, windows, context=context).per_window}
     for r in out["tasks"].values():
         r["details"] = {k: v for k, v in r["details"].items() if k != "responses"}
     batch = {k: v.to(loaded.device) for k, v in encode(loaded.tokenizer, prompt_texts()).items()}
@@ -237,7 +245,8 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
             out["theorem1_points"] = t1["rows"].sample(min(400, len(t1["rows"])), random_state=0).to_dict("list")
     if vlm is not None and modality == "vision":
         examples = held_out_vision_examples(spec["vision"], tasks=tasks or TASKS)
-        out["vision"] = vision_scores(vlm, loaded.tokenizer, examples, fmt)
+        with context():
+            out["vision"] = vision_scores(vlm, loaded.tokenizer, examples, fmt)
     # An adapted model is recorded by the model it was adapted from (spec, file hashes); the run's own folder is
     # the record's "directory". The model in hand cannot say: trained in this process it still carries its base's
     # spec, read back from the cache it carries the cache folder's, and the same run must give the same record.

@@ -41,6 +41,7 @@ import torch
 
 from ..core.models import load_model, resolve_device
 from ..core.paths import cache_key, cache_root, entry_lock, kill_point, staging
+from ..core.precision import check_precision
 from .digits import TASKS, load_digit_splits, make_examples
 from .loop import Every, fit, report_version_drift, trained_with, warmup_cosine
 from .remedies import INTERVENTIONS, RecipeChange
@@ -71,6 +72,7 @@ class AdaptConfig:
     intervention: str = "none"       # a change of the recipe (training.remedies.INTERVENTIONS); "none": plain
     text_share: float = 0.25         # text_blend: share of stage-2 steps on text-only batches
     lora_rank: int = 16              # lora: adapter rank (alpha = 2 x rank)
+    precision: str = "float32"       # or "bfloat16": stages 1-2 under bfloat16 autocast (core.precision)
 
     def __post_init__(self):
         if self.modality not in MODALITIES:
@@ -92,6 +94,7 @@ class AdaptConfig:
             raise ValueError(f"lora_rank must be >= 1, got {self.lora_rank}")
         if not (self.lr > 0 and self.stage1_lr > 0):
             raise ValueError(f"learning rates must be > 0, got lr={self.lr}, stage1_lr={self.stage1_lr}")
+        check_precision(self.precision)
         object.__setattr__(self, "tasks", tuple(self.tasks))
 
     def record(self) -> dict:
@@ -100,6 +103,8 @@ class AdaptConfig:
         if self.intervention == "none":      # plain runs keep the keys they had before interventions existed
             for name in INTERVENTION_FIELDS:
                 out.pop(name)
+        if self.precision == "float32":      # float32 runs keep the keys they had before the setting existed
+            out.pop("precision")
         return out
 
     def key(self, tag: str = "") -> str:
@@ -236,7 +241,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
         constant = lambda step: cfg.stage1_lr * min(1.0, (step + 1) / warm(cfg.stage1_steps))
         result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 1, accelerator),
                      cfg.stage1_steps, constant, loss_fn=_vlm_loss, clip=cfg.clip, accelerator=accelerator,
-                     progress=progress, desc=f"{cfg.model} stage 1 (projector)")
+                     progress=progress, desc=f"{cfg.model} stage 1 (projector)", precision=cfg.precision)
         history += [{"stage": 1, **row} for row in result.history]
     params = change.stage2_parameters(trainable_parameters(vlm, 2))
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -251,7 +256,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     result = fit(vlm, optimizer, batch_at, cfg.steps,
                  warmup_cosine(cfg.lr, cfg.steps, warm(cfg.steps), min_lr_ratio=0.0), loss_fn=_vlm_loss,
                  clip=cfg.clip, callbacks=callbacks, accelerator=accelerator, progress=progress,
-                 desc=f"{cfg.model} stage 2 ({cfg.modality})")
+                 desc=f"{cfg.model} stage 2 ({cfg.modality})", precision=cfg.precision)
     history += [{"stage": 2, **row} for row in result.history]
     intervention = change.finish()
     probes = [{k: v for k, v in row.items() if k != "name"} for row in result.probes]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.models import LoadedModel, encode
+from ..core.precision import autocast, check_precision
 from ..core.prompts import prompt_texts
 from ..measures.margins import sink_state, window_layers
 from ..measures.textsuite import arithmetic_items, heldout_loss, run_suite
@@ -56,7 +57,8 @@ def held_out_vision_examples(n: int, seed: int = VISION_SEED, tasks=TASKS):
 class AdaptationProbe:
     def __init__(self, reference: LoadedModel, window: int = 10, arithmetic: int = 24, vision: int = 20,
                  heldout_windows: int = 4, heldout_length: int = 128, seed: int = 0, tasks=TASKS,
-                 prompts: int | None = None):
+                 prompts: int | None = None, precision: str = "float32"):
+        self.precision = check_precision(precision)
         self.batch = encode(reference.tokenizer, prompt_texts(prompts), device="cpu")
         self.layers = window_layers(reference.model, window)
         self.reference_logits = sink_state(reference.model, _on(self.batch, reference.device), self.layers)[1]
@@ -67,13 +69,17 @@ class AdaptationProbe:
     def __call__(self, step: int, vlm, loaded: LoadedModel, fmt, modality: str = "vision") -> dict:
         start = time.perf_counter()
         with torch.no_grad():
+            # the sink against the reference's logits stays float32 (an exact comparison); the rest follows the run
             state, _ = sink_state(vlm.llm, _on(self.batch, loaded.device), self.layers, self.reference_logits)
-            out = {**state, "heldout_loss": float(heldout_loss(loaded, self.windows).loss)}
+            context = lambda: autocast(self.precision, str(loaded.device))
+            out = {**state, "heldout_loss": float(heldout_loss(loaded, self.windows, context=context).loss)}
             if self.arithmetic:
-                suite = run_suite(loaded, arithmetic=self.arithmetic, knowledge=0, ifeval=0, share_prefix=True)
+                suite = run_suite(loaded, arithmetic=self.arithmetic, knowledge=0, ifeval=0, share_prefix=True,
+                                  context=context)
                 out.update({name: result.score for name, result in suite.items()})
             if self.vision and modality == "vision":
-                out["vision_accuracy"] = vision_scores(vlm, loaded.tokenizer, self.vision, fmt)["accuracy"]
+                with context():
+                    out["vision_accuracy"] = vision_scores(vlm, loaded.tokenizer, self.vision, fmt)["accuracy"]
         out["probe_seconds"] = time.perf_counter() - start
         return out
 
