@@ -16,7 +16,7 @@ import pytest
 
 from sinkbook.book.summary import PAPERS, headline_claims
 from sinkbook.chapters import chapter_names
-from sinkbook.core.claims import label
+from sinkbook.core.claims import label, signed
 
 from test_book_pages import RESULTS, _executed, _open, browser  # noqa: F401
 from test_explorer_browser import ARTIFACTS, BOOK, served_book  # noqa: F401
@@ -185,7 +185,7 @@ def _shown_number(c: dict) -> list[str]:
     """Pieces of the claim's number that the line must show, formatted here from the results file."""
     if c.get("effect"):
         e = c["effect"]
-        return [f"{e['estimate']:+.3g}", f"{e['low']:+.3g}", f"{e['high']:+.3g}"]
+        return [signed(e["estimate"]), signed(e["low"]), signed(e["high"])]      # a rounded zero reads "+0"
     v = c["our_value"]
     if isinstance(v, list):
         v = v[0] if v else ""
