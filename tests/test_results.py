@@ -211,3 +211,37 @@ def test_compare_results_lists_every_moved_claim_and_the_counts(tmp_path, capsys
     assert "1 claim(s) changed" in out and "- `b` (demo): does not hold -> holds; 1.3 -> 1.05" in out
     with pytest.raises(SystemExit):
         compare.main([str(before), str(tmp_path / "missing")])
+
+
+def test_items_for_power_scales_with_the_square_of_the_reach():
+    from sinkbook.core.claims import items_for_power
+    assert items_for_power(100, 2.0, 2.0) == 100                 # already reaches the interest
+    assert items_for_power(100, 4.0, 2.0) == 400                 # twice the reach: four times the items
+    assert items_for_power(100, 3.0, 2.0) == 225
+    assert items_for_power(100, 1.0, 2.0) == 25
+    with pytest.raises(ValueError, match="positive"):
+        items_for_power(100, 0.0, 2.0)
+
+
+def test_the_power_table_lists_each_statistical_claim_with_its_reach(tmp_path):
+    from sinkbook.book.results import power_markdown
+    from sinkbook.core.claims import items_for_power
+    from sinkbook.core.claims import Effect, Interest, statistical
+    narrow = statistical("sure", "paper", "w goes up", "+2 pt", Effect(1.5, 0.5, 2.5, 0.95, "exact McNemar", 100, 1,
+                                                                      "pt"), Interest(2.0, "paper: Table X", "pt"))
+    write_results("demo", {}, [*_claims(), *_statistical_claims(), narrow], directory=tmp_path)
+    doc = load_all_results(tmp_path)[0]
+    table = power_markdown([doc])
+    rows = [line for line in table.splitlines() if line.startswith("| demo")]
+    assert len(rows) == 4                                          # the three statistical claims, nothing else
+    by_statement = {row.split(" | ")[1]: row for row in rows}
+    for c in doc["claims"]:
+        if c.get("effect"):
+            e = c["effect"]
+            row = by_statement[c["statement"]]
+            assert f"{e['detectable']:.3g} pt" in row and "100 x 1" in row
+            expected = "reached" if e["detectable"] <= 2.0 else str(items_for_power(100, e["detectable"], 2.0))
+            assert row.rstrip(" |").endswith(expected)
+    reached = sum(c["effect"]["detectable"] <= 2.0 for c in doc["claims"] if c.get("effect"))
+    assert reached == 1 and table.startswith("1 of 4 statistical claims")
+    assert power_markdown([]).startswith("*No statistical claims")

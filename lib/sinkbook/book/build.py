@@ -31,7 +31,7 @@ from pathlib import Path
 from ..chapters import CHAPTERS, chapter_names
 from ..core.paths import REPO_ROOT, NotInCheckout, entry_lock, need_checkout
 from ..runs.pool import die_with_parent
-from .results import claim_id_clashes, claims_markdown, load_all_results, summary_figure
+from .results import claim_id_clashes, claims_markdown, load_all_results, power_markdown, summary_figure
 from .summary import summary_markdown
 
 PROFILES = ("quick", "default", "gpu")
@@ -157,6 +157,7 @@ def write_generated(stage: Path, results_dir: Path, profile: str, timings: dict)
     (generated / "claims.md").write_text(claims_markdown(results, order=chapter_names(), figure=figure,
                                                           results_href="../results/"))
     (generated / "findings.md").write_text(summary_markdown(results))
+    (generated / "power.md").write_text(power_markdown(results, order=chapter_names()))
     publish_results(stage, results_dir)
     set_footer(stage, profile)
     lines = ["| chapter | executed in | status |", "|---|---|---|"]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..core.claims import (INCONCLUSIVE, KINDS, NOT_COMPARABLE, VERDICTS, Claim, MissingEffect, MustHoldFailed,
-                           failed_must_hold, label, missing_effects)
+                           failed_must_hold, items_for_power, label, missing_effects)
 from ..core.paths import REPO_ROOT, jsonable, results_dir, staging
 
 _PACKAGES = ("torch", "transformers", "accelerate", "peft", "numpy", "scipy", "pandas", "gguf", "papermill",
@@ -187,6 +187,33 @@ def claims_markdown(results: list[dict], order: list[str] | None = None, figure:
             cells = [c["statement"], c.get("kind", "?"), source, _fmt(c["paper_value"]), _fmt(c["our_value"]), rule,
                      mark]
             out.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def power_markdown(results: list[dict], order: list[str] | None = None) -> str:
+    """Every statistical claim's reach: the smallest effect its sample could detect at 80% power against the
+    effect of interest written before the run, and the items that would reach the interest at the same seeds."""
+    rank = {name: i for i, name in enumerate(order or [])}
+    rows, reached = [], 0
+    for doc in sorted(results, key=lambda d: (rank.get(d["chapter"], len(rank)), d["chapter"])):
+        for c in doc["claims"]:
+            e, i = c.get("effect"), c.get("interest")
+            if not e or not i or c.get("must_hold"):
+                continue
+            units = f" {i['units']}" if i.get("units") else ""
+            enough = e["detectable"] <= i["value"]
+            reached += enough
+            needed = "reached" if enough else f"{items_for_power(e['items'], e['detectable'], i['value'])}"
+            rows.append([doc["chapter"], c["statement"], outcome(c), f"{_fmt(i['value'])}{units}",
+                         f"{e['detectable']:.3g}{units}", f"{e['items']} x {e['seeds']}", needed])
+    if not rows:
+        return "*No statistical claims in this build.*\n"
+    out = [f"{reached} of {len(rows)} statistical claims could detect their effect of interest at 80% power with "
+           f"the items and seeds of this build; for the others, the last column gives the items (at the same "
+           f"seeds) that would, assuming the spread per item stays as measured.", "",
+           "| chapter | claim | verdict | effect of interest | detectable at 80% power | items x seeds | items needed |",
+           "|---|---|---|---|---|---|---|"]
+    out += ["| " + " | ".join(_cell(x) for x in row) + " |" for row in rows]
     return "\n".join(out) + "\n"
 
 

@@ -295,6 +295,15 @@ class Effect:
         return {**dataclasses.asdict(self), "detectable": self.detectable, "power": POWER}
 
 
+def items_for_power(items: int, detectable: float, interest: float) -> int:
+    """The items (at the same seeds) at which this test would detect ``interest`` at ``POWER``: the interval's width
+    shrinks as one over the root of the items, so ``items * (detectable / interest)^2``, rounded up. A planning
+    figure: it assumes the per-item spread stays what this sample showed, and seeds add variance items cannot remove."""
+    if items < 1 or not (detectable > 0 and interest > 0):
+        raise ValueError(f"need items >= 1 and positive effects, got {items}, {detectable}, {interest}")
+    return max(1, math.ceil(items * (detectable / interest) ** 2))
+
+
 def decide(effect: Effect, interest: Interest) -> tuple[bool | str, str]:
     """The verdict of a statistical claim and its caveat (empty when none).
 
