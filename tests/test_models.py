@@ -93,3 +93,45 @@ def test_cli_capture_writes_npz(tmp_path, capsys):
 def test_cli_capture_rejects_bad_layer(tmp_path, capsys):
     assert cli.main(["capture", "tiny-llama", "--layer", "9", "--prompt", "x", "--out", str(tmp_path / "a.npz")]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+SPREAD = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.layers.2": "disk",
+          "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+
+
+def test_a_model_spread_over_devices_captures_and_measures_as_one(tmp_path):
+    """accelerate's dispatch (here two of three layers offloaded to disk, read back layer by layer: the hooks a
+    multi-GPU device_map installs) changes neither the captures nor S, and our hooks leave with the context."""
+    from sinkbook.core.hooks import capture, hook_count
+    from sinkbook.core.prompts import prompt_texts
+    from sinkbook.measures.strength import sink_strength
+    whole = load_model("tiny-llama", device="cpu")
+    spread = load_model("tiny-llama", device_map=SPREAD, offload_folder=tmp_path / "offload")
+    assert {p.device.type for p in spread.model.parameters()} == {"cpu", "meta"}      # really offloaded
+    assert spread.device == "cpu"
+    prompts = prompt_texts(4)
+    assert sink_strength(spread, prompts, layers="all").strength(3) == \
+        pytest.approx(sink_strength(whole, prompts, layers="all").strength(3), abs=1e-6)
+    ids = whole.tokenizer(["The river runs to the sea."], return_tensors="pt")["input_ids"]
+    hooks = hook_count(spread.model)
+    with capture(whole.model, points=("pattern", "v_proj")) as a:
+        whole.model(ids)
+    with capture(spread.model, points=("pattern", "v_proj")) as b:
+        spread.model(ids)
+    for layer in range(3):
+        torch.testing.assert_close(b["pattern", layer], a["pattern", layer], rtol=0, atol=1e-6)
+        torch.testing.assert_close(b["v_proj", layer], a["v_proj", layer], rtol=0, atol=1e-6)
+    assert hook_count(spread.model) == hooks
+
+
+def test_an_automatic_device_map_within_a_memory_budget_offloads(tmp_path):
+    whole = load_model("tiny-llama", device="cpu")
+    spread = load_model("tiny-llama", device_map="auto", max_memory={"cpu": "450KiB"},      # the model: 564 KiB
+                        offload_folder=tmp_path / "offload")
+    assert {"cpu", "disk"} <= set(spread.model.hf_device_map.values())
+    ids = torch.tensor([[256, 72, 105, 33]])
+    torch.testing.assert_close(spread.model(ids).logits, whole.model(ids).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="offload_folder"):
+        load_model("tiny-llama", device_map=SPREAD)
+    with pytest.raises(ValueError, match="device_map must be"):
+        load_model("tiny-llama", device_map="balanced-ish")

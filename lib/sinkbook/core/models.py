@@ -72,9 +72,16 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     return dtype
 
 
-def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implementation: str = "sdpa") -> LoadedModel:
-    """Turn a model spec into a LoadedModel; raise ModelNotAvailable with advice when that is impossible."""
-    device = resolve_device(device)
+def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implementation: str = "sdpa",
+               device_map: dict | str | None = None, max_memory: dict | None = None,
+               offload_folder: str | Path | None = None) -> LoadedModel:
+    """Turn a model spec into a LoadedModel; raise ModelNotAvailable with advice when that is impossible.
+
+    ``device_map`` spreads a model too large for one device over several, with accelerate: a dict from module
+    names to devices (``"cuda:0"``, ``"cpu"``, ``"disk"``), or ``"auto"`` to let accelerate fill ``max_memory``
+    (e.g. ``{0: "70GiB", 1: "70GiB", "cpu": "100GiB"}``). Modules sent to ``"disk"`` are written under
+    ``offload_folder`` and read back layer by layer. The weights pass through CPU memory once on the way."""
+    device = resolve_device(device) if device_map is None else "cpu"
     _quiet_transformers()
     start = time.perf_counter()
     log.info("loading %s", spec)
@@ -115,9 +122,29 @@ def load_model(spec: str, device: str | None = "auto", dtype=None, attn_implemen
             f"tiny-<family> with family in {', '.join(TINY_FAMILIES)}, a local model directory, "
             f"a .gguf file, or a hub id such as 'Qwen/Qwen2.5-0.5B' on a machine with hub access.")
     arch_for(model)  # fail early, with the list of supported families, on an unsupported architecture
-    model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
+    if device_map is not None:
+        model, device = _dispatch(model, device_map, max_memory, offload_folder, dtype)
+    else:
+        model = model.to(device=device, dtype=resolve_dtype(dtype, device)).eval()
     log.info("loaded %s in %.1f s", spec, time.perf_counter() - start)
     return LoadedModel(model, tokenizer, spec, model_id, files, time.perf_counter() - start, device)
+
+
+def _dispatch(model, device_map, max_memory, offload_folder, dtype):
+    """The model spread over devices by accelerate; returns it and the device its inputs go to (the embedding's)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    first = device_map if isinstance(device_map, str) else next(iter(device_map.values()), "cpu")
+    model = model.to(dtype=resolve_dtype(dtype, "cuda" if "cuda" in str(first) or isinstance(first, int) else "cpu"))
+    if device_map == "auto":
+        device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                           no_split_module_classes=getattr(model, "_no_split_modules", None))
+    elif not isinstance(device_map, dict):
+        raise ValueError(f"device_map must be 'auto' or a dict from module names to devices, got {device_map!r}")
+    if "disk" in device_map.values() and offload_folder is None:
+        raise ValueError("device_map sends modules to 'disk': give offload_folder, a directory for their weights")
+    model = dispatch_model(model, device_map=device_map, offload_dir=str(offload_folder) if offload_folder else None)
+    embed = model.get_input_embeddings().weight.device
+    return model.eval(), (str(embed) if embed.type != "meta" else "cpu")
 
 
 def _first_line(err: BaseException) -> str:
