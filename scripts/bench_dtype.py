@@ -25,7 +25,8 @@ from sinkbook.measures.strength import sink_strength
 from sinkbook.measures.textsuite import (arithmetic_items, heldout_loss, knowledge_items, run_arithmetic,
                                          run_knowledge)
 from sinkbook.runs.adaptation import RECIPE
-from sinkbook.training.adapt import AdaptConfig, _batch_maker, trainable_parameters, vision_encoder
+from sinkbook.training.adapt import (AdaptConfig, _batch_maker, adaptation_optimizer, trainable_parameters,
+                                     vision_encoder)
 from sinkbook.training.corpus import heldout_text_windows
 from sinkbook.training.loop import fit
 from sinkbook.training.probes import AdaptationProbe
@@ -80,8 +81,10 @@ def timings(loaded, model: str, blocks: int, steps: int) -> dict:
     cfg = AdaptConfig(model, batch_size=settings.batch_size, tasks=tuple(settings.tasks))
     accelerator = Accelerator(cpu=True)
     batch_at = _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 2, accelerator)
-    optimizer = torch.optim.AdamW(trainable_parameters(vlm, 2), lr=1e-6, weight_decay=0.0)
-    probe = AdaptationProbe(loaded, window=min(settings.window, loaded.model.config.num_hidden_layers), arithmetic=settings.probe_arithmetic, vision=0,
+    params = trainable_parameters(vlm, 2)
+    optimizers = {p: adaptation_optimizer(params, 1e-6, p) for p in PRECISIONS}   # each precision its own kernel
+    probe = AdaptationProbe(loaded, window=min(settings.window, loaded.model.config.num_hidden_layers),
+                            arithmetic=settings.probe_arithmetic, vision=0,
                             heldout_windows=settings.probe_heldout_windows, prompts=settings.probe_prompts)
     items = arithmetic_items(16, seed=1)
     tokenizer = loaded.tokenizer
@@ -92,8 +95,8 @@ def timings(loaded, model: str, blocks: int, steps: int) -> dict:
     def train(precision):
         nonlocal step
         first = step
-        fit(vlm, optimizer, lambda i: batch_at(first + i), steps, lambda i: 1e-6, loss_fn=lambda m, b: m(**b),
-            clip=1.0, accelerator=accelerator, progress=False, precision=precision)
+        fit(vlm, optimizers[precision], lambda i: batch_at(first + i), steps, lambda i: 1e-6,
+            loss_fn=lambda m, b: m(**b), clip=1.0, accelerator=accelerator, progress=False, precision=precision)
         step += steps
 
     def decode(precision, new_tokens):

@@ -198,6 +198,14 @@ def align_projector(vlm: DigitVLM, tokenizer, steps: int, seed: int, lr: float =
     return losses
 
 
+def adaptation_optimizer(params, lr: float, precision: str = "float32"):
+    """AdamW without weight decay. bfloat16 runs take torch's fused AdamW kernel: on one CPU thread its step over
+    the ~100M trained parameters takes a quarter of the time of the default one (0.11 s against 0.45 s for 88M),
+    which would otherwise be a third of a step. float32 runs keep the default kernel their cached runs were
+    trained with (the two round differently)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **({"fused": True} if precision != "float32" else {}))
+
+
 def _vlm_loss(model, batch):
     return model(**batch)
 
@@ -237,14 +245,14 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
                         "grad_norm": None, "seconds": time.perf_counter() - start})
     if cfg.modality == "vision" and cfg.stage1_steps:
         params = trainable_parameters(vlm, 1)
-        optimizer = torch.optim.AdamW(params, lr=cfg.stage1_lr, weight_decay=0.0)
+        optimizer = adaptation_optimizer(params, cfg.stage1_lr, cfg.precision)
         constant = lambda step: cfg.stage1_lr * min(1.0, (step + 1) / warm(cfg.stage1_steps))
         result = fit(vlm, optimizer, _batch_maker(cfg, loaded.tokenizer, fmt, "vision", 1, accelerator),
                      cfg.stage1_steps, constant, loss_fn=_vlm_loss, clip=cfg.clip, accelerator=accelerator,
                      progress=progress, desc=f"{cfg.model} stage 1 (projector)", precision=cfg.precision)
         history += [{"stage": 1, **row} for row in result.history]
     params = change.stage2_parameters(trainable_parameters(vlm, 2))
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    optimizer = adaptation_optimizer(params, cfg.lr, cfg.precision)
     change.attach(optimizer)
     callbacks = []
     if probe is not None:
