@@ -1,6 +1,6 @@
 """Execute every chapter notebook with papermill and build the Jupyter Book from the executed copies.
 
-    python -m sinkbook.book build [--profile quick|default|gpu] [--only CHAPTER ...] [--device auto]
+    python -m sinkbook.book build [--profile quick|default|gpu|gpu-local] [--only CHAPTER ...] [--device auto]
 
 The chapters and their order come from ``sinkbook.chapters.CHAPTERS``; the book's ``_toc.yml`` (committed beside
 ``_config.yml``) is written from it by ``python -m sinkbook.book toc``, and a build stops when the two disagree.
@@ -30,11 +30,12 @@ from pathlib import Path
 
 from ..chapters import CHAPTERS, chapter_names
 from ..core.paths import REPO_ROOT, NotInCheckout, entry_lock, need_checkout
+from ..core.profiles import PROFILE_NAMES
 from ..runs.pool import die_with_parent
 from .results import claim_id_clashes, claims_markdown, load_all_results, power_markdown, summary_figure
 from .summary import summary_markdown
 
-PROFILES = ("quick", "default", "gpu")
+PROFILES = PROFILE_NAMES
 # The prose pages around the chapters, in book order: (part caption, [page files]).
 PAGES_BEFORE = ("The library", ["book/capture_points", "book/methods", "book/rerun"])
 PAGES_AFTER = ("Back matter", ["book/results_schema", "book/references"])

@@ -92,7 +92,7 @@ def choose_size(rows: list[dict], size: str | None, profile: str) -> tuple[str, 
         return qualifying[0], (f"{qualifying[0]!r} is the smallest size tried in which the baseline shows both an "
                                f"attention sink and massive activations")
     tried = [r["size"] for r in rows]
-    next_step = ("the 'gpu' profile trains larger ones" if profile != "gpu"
+    next_step = ("the 'gpu' profile trains larger ones" if not profile.startswith("gpu")
                  else "more steps (the steps parameter) or larger sizes would be the next thing to try")
     return tried[-1], (f"no size tried ({', '.join(tried)}) shows both at this training budget; we study the "
                        f"largest, {tried[-1]!r}; {next_step}")

@@ -61,7 +61,8 @@ PROFILES = Profiles({
                 gammas=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], prune_keep=[0.5, 0.75, 0.25], analysis_items=64,
                 batch_size=32, workers=1, adaptation={}),
 }, limits=dict(models=NON_EMPTY, n_test=POSITIVE, n_val=POSITIVE, gammas=each(above(0)),
-               prune_keep=each(between(1e-9, 1)), analysis_items=POSITIVE, batch_size=POSITIVE, workers=POSITIVE))
+               prune_keep=each(between(1e-9, 1)), analysis_items=POSITIVE, batch_size=POSITIVE, workers=POSITIVE),
+   local=dict(models=[SMOLLM2, GEMMA3]))
 
 # ---- constants and rules, each written once --------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ import pandas as pd
 from ..core.claims import NOT_COMPARABLE, Claim, Effect, Finding, Interest, Rule, check, claim, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.precision import PRECISIONS
-from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, above, one_of, subset_of
+from ..core.profiles import NON_EMPTY, POSITIVE, PROFILE_NAMES, Profiles, above, one_of, subset_of
 from ..core.published import six_pairs
 from ..figures.vl_adaptation import capability_figure, dose_figure, erosion_figure, theorem1_figure
 from ..measures.regression import fit_line, spearman_rho
@@ -45,11 +45,11 @@ FORMAT_TASKS = ("ifeval", "arithmetic_strict", "arithmetic_flexible")
 KNOWLEDGE_TASKS = ("knowledge_mc",)
 
 _MODELS = {"quick": [SMOLLM2], "default": [SMOLLM2, GEMMA3],
-           "gpu": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"]}
-_SEEDS = {"quick": [0], "default": [0, 1], "gpu": [0, 1, 2]}
-_WORKERS = {"quick": 2, "default": 2, "gpu": 1}
+           "gpu": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"], "gpu-local": [SMOLLM2, GEMMA3]}
+_SEEDS = {"quick": [0], "default": [0, 1], "gpu": [0, 1, 2], "gpu-local": [0, 1, 2]}
+_WORKERS = {"quick": 2, "default": 2, "gpu": 1, "gpu-local": 1}
 PROFILES = Profiles({p: dict(models=_MODELS[p], seeds=_SEEDS[p], **jobs.RECIPE.table[p], workers=_WORKERS[p])
-                     for p in ("quick", "default", "gpu")},
+                     for p in PROFILE_NAMES},
                     limits=dict(models=NON_EMPTY, seeds=NON_EMPTY, tasks=subset_of(TASKS), steps=POSITIVE,
                                 stage1_steps=POSITIVE, lr=above(0), stage1_lr=above(0), batch_size=POSITIVE,
                                 probe_every=POSITIVE, arithmetic=POSITIVE, knowledge=POSITIVE, vision=POSITIVE,

