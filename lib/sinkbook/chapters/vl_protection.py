@@ -52,7 +52,7 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
 
 PROFILES = Profiles({
     "quick": dict(interventions={SMOLLM2: ["protection"]}, seeds=[0], merges=["uniform"],
-                  merge_models=[SMOLLM2], merge_seeds=[0], workers=2),
+                  merge_models=[SMOLLM2], merge_seeds=[0], workers=2, adaptation={}),
     # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
     # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
     # but task arithmetic (with the adapted model's own base it is the adapted model itself; its claim says so),
@@ -61,12 +61,12 @@ PROFILES = Profiles({
                                    GEMMA3: ["protection", "fix_qk_norm"]},
                     seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
                     merge_seeds=[0, 1],
-                    workers=2),
+                    workers=2, adaptation={}),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
                                                              "text_blend"],
                                "Qwen/Qwen3-1.7B": ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
                 seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
-                merge_seeds=[0, 1, 2], workers=1),
+                merge_seeds=[0, 1, 2], workers=1, adaptation={}),
 }, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE),
    local=dict(interventions={SMOLLM2: ["protection", "inject_qk_norm", "frozen_llm", "lora", "text_blend"],
                              GEMMA3: ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
@@ -462,6 +462,7 @@ class VLProtectionChapter(Chapter):
         unknown = sorted({i for arms in s.interventions.values() for i in arms} - set(INTERVENTIONS[1:]))
         if unknown:
             raise SettingsError(f"unknown interventions {unknown}; choose from {', '.join(INTERVENTIONS[1:])}")
+        self.recipe                     # the adaptation overrides are checked now, before any model is loaded
 
     @property
     def models(self) -> list:
@@ -471,8 +472,8 @@ class VLProtectionChapter(Chapter):
     def recipe(self):
         """The adaptation chapter's recipe and evaluation of the same profile, for these models and seeds."""
         s = self.settings
-        return jobs.recipe(s.profile, device=s.device, models=self.models,
-                           seeds=sorted(set(s.seeds) | set(s.merge_seeds)), workers=s.workers)
+        return jobs.recipe(s.profile, device=s.device, **{**s.adaptation, "models": self.models,
+                           "seeds": sorted(set(s.seeds) | set(s.merge_seeds)), "workers": s.workers})
 
     @functools.cached_property
     def records(self) -> tuple[dict, dict, dict]:
