@@ -134,6 +134,19 @@ def test_injection_lags_only_when_below_at_every_probe_and_at_the_end():
     assert claim.holds == NOT_COMPARABLE and "did not learn" in claim.why_not_comparable
 
 
+def test_injection_claims_need_room_below_vanilla():
+    floored = _world("inject_qk_norm", 0, plain_correct=0)          # plain VL ends at 0: nothing can lag it
+    for runs in (floored, {k: {**v, "probes": [{**p, "arithmetic_flexible": 0.0} for p in v["probes"]]}
+                           for k, v in floored.items()}):
+        claims = _by_id(vp.injection_finding(_base(), runs, [M]))
+        assert claims["injection_lags_vanilla"].holds == NOT_COMPARABLE
+        assert "floor" in claims["injection_lags_vanilla"].why_not_comparable
+        assert claims["injection_below_throughout"].holds == NOT_COMPARABLE
+        assert "floor" in claims["injection_below_throughout"].why_not_comparable
+    just_above = _world("inject_qk_norm", 0, plain_correct=4)       # 0.067 > 0.05: room, and the injected is lower
+    assert _by_id(vp.injection_finding(_base(), just_above, [M]))["injection_below_throughout"].holds is True
+
+
 def _merges(scores: dict):
     runs = {(M, vp.PLAIN, 0): _doc(20)}
     for name, correct in scores.items():

@@ -28,8 +28,8 @@ from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset
 from ..figures.vl_protection import capability_figure, sink_figure, tradeoff_figure
 from ..measures.stats import paired_bootstrap, paired_effect
 from ..runs import adaptation as jobs
-from ..runs.adaptation_records import (arm_items, arm_vision_items, has_headroom, interval_pt, items, probe_change,
-                                      probe_metric, seeds_of, vision_learned)
+from ..runs.adaptation_records import (HEADROOM_MARGIN, arm_items, arm_vision_items, has_headroom, interval_pt, items,
+                                      probe_change, probe_metric, seeds_of, vision_learned)
 from ..training.remedies import INTERVENTIONS
 from .base import Chapter, all_of, finding, finding_of
 
@@ -346,16 +346,25 @@ def injection_finding(base: dict, runs: dict, models: list, metric: str | None =
         trace = ", ".join(f"step {k}: {curves['inject_qk_norm'][k]:.2f} vs {curves[PLAIN][k]:.2f}" for k in later)
         gate = all_of(_comparable(base, runs, model, task),
                       (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))
+        # Ours: a lag needs room below vanilla. Where plain VL training leaves the score at the task's floor, the
+        # injected model cannot be seen to end lower, and a zero-width interval at 0 would read "does not hold".
+        room = lambda score, t: score > base[model]["tasks"][t]["chance"] + HEADROOM_MARGIN
+        plain_end = float(np.mean(arm_items(runs, model, PLAIN, task, seeds)))
+        end_room = (room(plain_end, task), f"plain VL training leaves {task} at its floor ({plain_end:.2f}): there is "
+                                           f"no room below vanilla for the injected model to lag")
+        curve_room = (bool(later) and all(room(curves[PLAIN][k], metric_read) for k in later),
+                      f"the plain arm's probe {metric_read} is at its floor at some probe after the start: the injected "
+                      f"model cannot be seen below it there" if later else "no probes after the start")
         claims.append(statistical(
             f"injection_lags_vanilla_{slug(model)}", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
             f"{model}: per-head QK-norm injected after pretraining ends below vanilla VL training on {task}",
             "IFEval 11 (injected) vs vanilla throughout; base 59.9",
-            paired_effect(end, len(seeds), -1, 100, "pt"), LAG_OF_INTEREST, precondition=gate))
+            paired_effect(end, len(seeds), -1, 100, "pt"), LAG_OF_INTEREST, precondition=all_of(gate, end_room)))
         claims.append(claim(
             f"injection_below_throughout_{slug(model)}", "measured", f"{SOURCE}, Sec. 5 / App. F.3 (Fig. 6)",
             f"{model}: the injected model is below vanilla at every probe of VL training (probe {metric_read})",
             "lags vanilla throughout training", trace or "no probes", BELOW_THROUGHOUT, value=below,
-            precondition=all_of(gate, (bool(later), "no probes after the start"))))
+            precondition=all_of(gate, curve_room)))
     return Finding("QK-norm injected after pretraining", claims=claims)
 
 
