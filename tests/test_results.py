@@ -244,4 +244,9 @@ def test_the_power_table_lists_each_statistical_claim_with_its_reach(tmp_path):
             assert row.rstrip(" |").endswith(expected)
     reached = sum(c["effect"]["detectable"] <= 2.0 for c in doc["claims"] if c.get("effect"))
     assert reached == 1 and table.startswith("1 of 4 statistical claims")
+    flat = statistical("flat", "paper", "v goes up", "+2 pt", Effect(0.0, 0.0, 0.0, 0.95, "paired bootstrap", 60, 2,
+                                                                     "pt"), Interest(2.0, "paper: Table X", "pt"))
+    write_results("flat", {}, [flat], directory=tmp_path / "flat")
+    row = power_markdown(load_all_results(tmp_path / "flat")).splitlines()[-1]
+    assert row.endswith("| not estimable: no pair differed |")     # a zero-width interval is not power
     assert power_markdown([]).startswith("*No statistical claims")

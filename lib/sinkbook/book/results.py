@@ -201,6 +201,10 @@ def power_markdown(results: list[dict], order: list[str] | None = None) -> str:
             if not e or not i or c.get("must_hold"):
                 continue
             units = f" {i['units']}" if i.get("units") else ""
+            if e["high"] == e["low"]:           # no pair differed: the sample says nothing about its own spread
+                rows.append([doc["chapter"], c["statement"], outcome(c), f"{_fmt(i['value'])}{units}",
+                             "not estimable", f"{e['items']} x {e['seeds']}", "not estimable: no pair differed"])
+                continue
             enough = e["detectable"] <= i["value"]
             reached += enough
             needed = "reached" if enough else f"{items_for_power(e['items'], e['detectable'], i['value'])}"
