@@ -1,4 +1,5 @@
 import functools
+import os
 
 import pytest
 import torch
@@ -33,3 +34,15 @@ def loaded_model():
 def ids():
     torch.manual_seed(1)
     return torch.randint(0, 256, (2, 20))
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """Adaptation runs of a test go to a fresh cache (shared by the chapter tests that train); corpora and the encoder are linked from the real one."""
+    from sinkbook.core.paths import cache_root
+    real = cache_root()
+    monkeypatch.setenv("SINKBOOK_CACHE", str(tmp_path))
+    for name in ("shakespeare", "vision"):
+        if (real / name).exists():
+            os.symlink(real / name, tmp_path / name)
+    return tmp_path

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 import pytest
@@ -391,18 +390,6 @@ def test_the_cache_check_fails_loudly():
 
 
 # ---- the quick profile on every tiny family ---------------------------------------------------------------------
-
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    """Adaptation runs of this test go to a fresh cache; corpora and the encoder are linked from the real one."""
-    from sinkbook.core.paths import cache_root
-    real = cache_root()
-    monkeypatch.setenv("SINKBOOK_CACHE", str(tmp_path))
-    for name in ("shakespeare", "vision"):
-        if (real / name).exists():
-            os.symlink(real / name, tmp_path / name)
-    return tmp_path
-
 
 SMALL_ADAPTATION = dict(steps=2, stage1_steps=1, batch_size=4, probe_every=2, probe_arithmetic=2, probe_vision=2,
                         arithmetic=3, knowledge=3, ifeval=1, ifeval_tokens=4, vision=3, heldout_windows=1, workers=1)

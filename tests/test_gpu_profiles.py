@@ -5,8 +5,6 @@ extra compliance settings (outro); a wider sweep of rotation strengths and pruni
 Everything else of the gpu profile is a larger number, which the default book already runs at its own size."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from sinkbook.core.claims import INCONCLUSIVE, NOT_COMPARABLE
@@ -15,17 +13,6 @@ VERDICTS = {True, False, INCONCLUSIVE, NOT_COMPARABLE}
 TINY_RECIPE = dict(steps=2, stage1_steps=1, batch_size=4, probe_every=1, probe_arithmetic=2, probe_vision=2,
                    probe_prompts=2, probe_heldout_windows=1, probe_heldout_length=32, arithmetic=2, knowledge=2,
                    ifeval=1, ifeval_tokens=4, vision=3, heldout_windows=1)
-
-
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    from sinkbook.core.paths import cache_root
-    real = cache_root()
-    monkeypatch.setenv("SINKBOOK_CACHE", str(tmp_path))
-    for name in ("shakespeare", "vision"):
-        if (real / name).exists():
-            os.symlink(real / name, tmp_path / name)
-    return tmp_path
 
 
 def _checked(results) -> dict:
