@@ -91,31 +91,64 @@ def test_protection_is_not_comparable_without_a_loss_or_without_a_sink():
 def test_fixed_norm_counts_its_loss_from_its_own_start():
     runs = _world("fix_qk_norm", 10, s_path=(1.5, 1.2, 0.9, 0.6))
     base = _base(qk_norm="per-head")
-    # native: 45 -> 20 (-25 items); fixed: 40 -> 10 (-30 items) from its own start
-    start = {"tasks": {TASK: _task(TASK, [1] * 40 + [0] * 20)}}
-    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): start}, [M]))
-    assert claims["fixed_norm_erodes_more"].holds is True
-    # the same end from a start that was already low is a smaller loss than the native one
-    low_start = {"tasks": {TASK: _task(TASK, [1] * 12 + [0] * 48)}}
-    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): low_start}, [M]))
-    assert claims["fixed_norm_loses_more"].holds is False
+    # native: 45 -> 20 (-25 items); fixed: 44 -> 10 (-34 items) from its own start, one item below the native start
+    start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm", None): start}, [M]))
+    assert claims["fixed_norm_loses_more"].holds is True and claims["fixed_norm_erodes_more"].holds is True
+    # the same end from a start one item above the native one: still measured from that start
+    high = {"tasks": {TASK: _task(TASK, [1] * 46 + [0] * 14)}}
+    effect = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm", None): high}, [M]))["fixed_norm_loses_more"]
+    assert effect.effect["estimate"] == pytest.approx(100 * (36 - 25) / 60)
     floor_start = {"tasks": {TASK: _task(TASK, [0] * 60)}}
-    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm"): floor_start}, [M]))
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm", None): floor_start}, [M]))
     assert claims["fixed_norm_loses_more"].holds == NOT_COMPARABLE
+
+
+def test_fixed_norm_needs_level_starts():
+    """A start further than LEVEL_START_PT from the native model leaves both claims not comparable, saying by how
+    much; recovered starts are read per seed, their mean against the native model."""
+    runs = _world("fix_qk_norm", 2, s_path=(1.5, 1.2, 0.9, 0.6))
+    base = _base(qk_norm="per-head")
+    low = {"tasks": {TASK: _task(TASK, [1] * 12 + [0] * 48)}}
+    claims = _by_id(vp.fixed_norm_finding(base, runs, {(M, "fix_qk_norm", None): low}, [M]))
+    for c in claims.values():
+        assert c.holds == NOT_COMPARABLE and "starts -55.0 pt from the native model" in c.why_not_comparable
+    # seed 0 recovered to 43 of 60, seed 1 to 46: mean 44.5, within 2.5 pt of 45
+    recovered = {(M, "fix_qk_norm", s): {"tasks": {TASK: _task(TASK, [1] * k + [0] * (60 - k))},
+                                         "recovery": {"curve": [], "history": []}} for s, k in ((0, 43), (1, 46))}
+    f = vp.fixed_norm_finding(base, runs, recovered, [M])
+    assert _by_id(f)["fixed_norm_loses_more"].holds is True and "after the recovery phase" in f.notes[0]
+    assert _by_id(f)["fixed_norm_loses_more"].effect["estimate"] == pytest.approx(100 * (42.5 - 25) / 60)   # fixed: 2 - 44.5
+    recovered[(M, "fix_qk_norm", 1)]["tasks"][TASK] = _task(TASK, [1] * 40 + [0] * 20)     # mean 41.5: 5.8 pt
+    claims = _by_id(vp.fixed_norm_finding(base, runs, recovered, [M]))
+    assert claims["fixed_norm_loses_more"].holds == NOT_COMPARABLE
+    assert "the recovered fixed-scale model starts -5.8 pt" in claims["fixed_norm_loses_more"].why_not_comparable
+
+
+def test_recovery_finding_reports_the_curves_and_whether_the_starts_are_level():
+    base = _base(qk_norm="per-head")
+    curve = [{"step": 0, "relative_logit_error": 0.9, "top1_agreement": 0.2},
+             {"step": 50, "loss": 0.01, "relative_logit_error": 0.1, "top1_agreement": 0.9}]
+    starts = {(M, "fix_qk_norm", s): {"tasks": {t: _task(t, [1] * 44 + [0] * 16) for t in vp.TEXT_TASKS},
+                                      "recovery": {"curve": curve, "history": [{}] * 50}} for s in (0, 1)}
+    f = vp.recovery_finding(base, starts, [M])
+    assert len(f.table) == 2 and f.table["recovery steps"].tolist() == [50, 50]
+    assert f.figures and "level: the causal test is comparable" in f.notes[-1]
+    assert "No fixed-scale arm" in vp.recovery_finding(base, {}, [M]).notes[0]
 
 
 def test_fixed_norm_needs_a_per_head_norm_to_fix():
     runs = _world("fix_qk_norm", 2)
     start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
     for qk in ("none", "layerwise"):
-        claims = _by_id(vp.fixed_norm_finding(_base(qk_norm=qk), runs, {(M, "fix_qk_norm"): start}, [M]))
+        claims = _by_id(vp.fixed_norm_finding(_base(qk_norm=qk), runs, {(M, "fix_qk_norm", None): start}, [M]))
         assert all(c.holds == NOT_COMPARABLE and "per-head" in c.why_not_comparable for c in claims.values())
 
 
 def test_fixed_norm_that_collapses_holds():
     runs = _world("fix_qk_norm", 2)
     start = {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}
-    claims = _by_id(vp.fixed_norm_finding(_base(qk_norm="per-head"), runs, {(M, "fix_qk_norm"): start}, [M]))
+    claims = _by_id(vp.fixed_norm_finding(_base(qk_norm="per-head"), runs, {(M, "fix_qk_norm", None): start}, [M]))
     assert claims["fixed_norm_loses_more"].holds is True
 
 
@@ -190,7 +223,7 @@ def test_every_statistical_claim_carries_its_effect_and_interest():
         if key[1].startswith("merge:"):
             runs[key] = doc
             runs[(M, key[1], 1)] = doc
-    starts = {(M, "fix_qk_norm"): {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}}
+    starts = {(M, "fix_qk_norm", None): {"tasks": {TASK: _task(TASK, [1] * 44 + [0] * 16)}}}
     claims = [*vp.protection_finding(_base(), runs, [M]).claims, *vp.injection_finding(_base(), runs, [M]).claims,
               *vp.fixed_norm_finding(_base(qk_norm="per-head"), runs, starts, [M]).claims,
               *vp.merging_finding(_base(), runs, [M]).claims]

@@ -37,15 +37,20 @@ def test_vl_adaptation_gpu_profile(private_cache):
 
 def test_vl_protection_gpu_profile(private_cache):
     from sinkbook.chapters import vl_protection as vp
-    settings = vp.PROFILES.resolve("gpu", device="cpu", interventions={"tiny-qwen2": ["frozen_llm", "lora",
-                                                                                     "text_blend"]},
-                                   seeds=[0], merge_models=["tiny-qwen2"], merge_seeds=[0], workers=1,
-                                   adaptation=TINY_RECIPE)
+    settings = vp.PROFILES.resolve("gpu", device="cpu", interventions={"tiny-qwen3": ["frozen_llm", "lora",
+                                                                                     "text_blend", "fix_qk_norm"]},
+                                   seeds=[0], merge_models=["tiny-qwen3"], merge_seeds=[0], workers=1,
+                                   adaptation=TINY_RECIPE, recovery_steps=2)
     assert len(settings.merges) == len(vp.MERGES)
     chapter = vp.VLProtectionChapter(settings)
     _checked(chapter.results())
     arms = {arm for (_, arm, _) in chapter.runs}
-    assert {"none", "frozen_llm", "lora", "text_blend"} <= arms
+    assert {"none", "frozen_llm", "lora", "text_blend", "fix_qk_norm"} <= arms
+    # the fixed-scale arm trained from its seed's recovered start, which was also evaluated before VL training
+    start = chapter.starts[("tiny-qwen3", "fix_qk_norm", 0)]
+    assert [row["step"] for row in start["recovery"]["curve"]] == [0, 2]
+    assert chapter.runs[("tiny-qwen3", "fix_qk_norm", 0)]["intervention"]["recovery"] == start["recovery"]
+    assert len(chapter.recovery().table) == 1
 
 
 def test_outro_gpu_profile():

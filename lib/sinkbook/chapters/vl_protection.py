@@ -24,12 +24,12 @@ import pandas as pd
 
 from ..core.claims import Finding, Interest, Rule, check, claim, label, signed, slug, statistical
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
-from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, subset_of
-from ..figures.vl_protection import capability_figure, sink_figure, tradeoff_figure
+from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, SettingsError, subset_of
+from ..figures.vl_protection import capability_figure, recovery_figure, sink_figure, tradeoff_figure
 from ..measures.stats import paired_bootstrap, paired_effect
 from ..runs import adaptation as jobs
 from ..runs.adaptation_records import (HEADROOM_MARGIN, arm_items, arm_vision_items, has_headroom, interval_pt, items,
-                                      probe_change, probe_metric, seeds_of, vision_learned)
+                                      mean_items, probe_change, probe_metric, seeds_of, vision_learned)
 from ..training.remedies import INTERVENTIONS
 from .base import Chapter, all_of, finding, finding_of
 
@@ -50,9 +50,12 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
           "inject_qk_norm": "QK-norm injected", "frozen_llm": "frozen LLM", "lora": "LoRA",
           "text_blend": "text re-blended", **{f"merge:{m}": f"merge {m}" for m in MERGES}}
 
+# The fixed-scale model's text-only recovery phase before VL training (``training.recovery``): steps per profile.
+RECOVERY_STEPS = {"default": 150, "gpu": 500}
+
 PROFILES = Profiles({
     "quick": dict(interventions={SMOLLM2: ["protection"]}, seeds=[0], merges=["uniform"],
-                  merge_models=[SMOLLM2], merge_seeds=[0], workers=2, adaptation={}),
+                  merge_models=[SMOLLM2], merge_seeds=[0], workers=2, adaptation={}, recovery_steps=0),
     # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
     # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
     # but task arithmetic (with the adapted model's own base it is the adapted model itself; its claim says so),
@@ -61,13 +64,13 @@ PROFILES = Profiles({
                                    GEMMA3: ["protection", "fix_qk_norm"]},
                     seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
                     merge_seeds=[0, 1],
-                    workers=2, adaptation={}),
+                    workers=2, adaptation={}, recovery_steps=RECOVERY_STEPS["default"]),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
                                                              "text_blend"],
                                "Qwen/Qwen3-1.7B": ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
                 seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
-                merge_seeds=[0, 1, 2], workers=1, adaptation={}),
-}, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE),
+                merge_seeds=[0, 1, 2], workers=1, adaptation={}, recovery_steps=RECOVERY_STEPS["gpu"]),
+}, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE, recovery_steps=NON_NEGATIVE),
    local=dict(interventions={SMOLLM2: ["protection", "inject_qk_norm", "frozen_llm", "lora", "text_blend"],
                              GEMMA3: ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
               merge_models=[SMOLLM2, GEMMA3]))
@@ -91,6 +94,10 @@ EXTRA_LOSS_OF_INTEREST = Interest(2.5, "ours: the step between the paper's prese
                                        "collapsed-sink (at least 7.9 pt) backbones, Sec. 1", "pt")
 ERODES_MORE = Rule.true("S changes less upward, or falls more, from the first to the last probe than with the native "
                         "norm, in every seed")
+# The causal test compares two arms' losses from their own starts, so the starts must be level: ours, the recovered
+# fixed-scale model's format-sensitive score (seed mean) must lie within the extra loss the claim looks for (2.5 pt)
+# of the native model's, or a start gap alone could be mistaken for it.
+LEVEL_START_PT = EXTRA_LOSS_OF_INTEREST.value
 BELOW_THROUGHOUT = Rule.true("below plain VL at every probe after the start (seed means)")
 LAG_OF_INTEREST = Interest(SMALLEST_LOSS_PT, "ours: the paper's injected run lags by tens of points (App. F.3, Fig. 6: "
                                              "IFEval 11 against a 59.9 base) at 3B; at our scale, a lag below the "
@@ -116,7 +123,7 @@ UNCHANGED = Rule.at_most(0, "items (over seeds and text tasks) whose outcome dif
 
 # ---- finding functions ------------------------------------------------------------------------------------------
 # ``base[model]``: the unadapted model's evaluation (the adaptation chapter's); ``runs[(model, arm, seed)]``: an
-# evaluation, where ``arm`` is "none" (plain VL), an intervention, or "merge:<name>"; ``starts[(model, arm)]``: a
+# evaluation, where ``arm`` is "none" (plain VL), an intervention, or "merge:<name>"; ``starts[(model, arm, seed)]``: a
 # changed model before training.
 
 def _arms(runs: dict, model: str) -> list:
@@ -284,25 +291,73 @@ def protection_finding(base: dict, runs: dict, models: list, task: str = FORMAT_
     return Finding("Head-selective protection", claims=claims, notes=notes)
 
 
+def _fixed_starts(starts: dict, model: str, seeds: list) -> list:
+    """The fixed-scale model before VL training for each seed: its recovered start, or the one unrecovered start."""
+    if seeds and all((model, "fix_qk_norm", s) in starts for s in seeds):
+        return [starts[(model, "fix_qk_norm", s)] for s in seeds]
+    one = starts.get((model, "fix_qk_norm", None))
+    return [one] if one else []
+
+
+def level_start(base: dict, starts: list, model: str, task: str) -> tuple[bool, str]:
+    """The gate of the causal test: the fixed-scale start within ``LEVEL_START_PT`` of the native model on ``task``."""
+    gap = 100 * (items(base[model], task).mean() - mean_items(starts, task).mean())
+    recovered = all("recovery" in d for d in starts)
+    what = "the recovered fixed-scale model" if recovered else "the fixed-scale model (no recovery phase)"
+    return abs(gap) <= LEVEL_START_PT, (f"{what} starts {signed(-gap, '.1f')} pt from the native model on {task}, "
+                                        f"more than the {LEVEL_START_PT} pt the test allows")
+
+
+def recovery_finding(base: dict, starts: dict, models: list) -> Finding:
+    """The fixed-scale model's text-only recovery phase, per seed: its curve against the unchanged model, and where
+    it leaves the text tasks before VL training."""
+    curve, level = [], []
+    for (model, arm, seed), doc in sorted(starts.items(), key=lambda kv: str(kv[0])):
+        if arm != "fix_qk_norm" or model not in base:
+            continue
+        for row in (doc.get("recovery") or {}).get("curve", []):
+            curve.append({"model": model, "seed": seed, "step": row["step"],
+                          "relative logit error": row["relative_logit_error"], "top-1 agreement": row["top1_agreement"]})
+        level.append({"model": model, "seed": seed, "recovery steps": len((doc.get("recovery") or {}).get("history", [])),
+                      **{f"{t} (native)": float(items(base[model], t).mean()) for t in TEXT_TASKS},
+                      **{f"{t} (fixed scale)": float(items(doc, t).mean()) for t in TEXT_TASKS}})
+    if not level:
+        return Finding("Recovery of the fixed-scale model before VL training",
+                       notes=["No fixed-scale arm in this profile."])
+    notes = [f"The causal test needs level starts: the fixed-scale model's {FORMAT_TASK} (seed mean) within "
+             f"{LEVEL_START_PT} pt of the native model's (written before any recovery was run)."]
+    for model in sorted({r["model"] for r in level}):
+        seeds = sorted(s for (m, a, s) in starts if m == model and a == "fix_qk_norm")
+        ok, why = level_start(base, _fixed_starts(starts, model, seeds), model, FORMAT_TASK)
+        notes.append(f"{model}: " + ("level: the causal test is comparable." if ok else why + "."))
+    table = pd.DataFrame(curve)
+    figures = [recovery_figure(table)] if not table.empty else []
+    return Finding("Recovery of the fixed-scale model before VL training", table=pd.DataFrame(level).set_index(
+        ["model", "seed"]), figures=figures, notes=notes)
+
+
 def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list, task: str = FORMAT_TASK) -> Finding:
     """Ours: with the per-head QK-norm frozen to a fixed scale, does text skill fall further and the sink erode more?"""
     claims, notes = [], []
     for model in models:
         seeds = sorted(set(seeds_of(runs, model, "fix_qk_norm")) & set(seeds_of(runs, model, PLAIN)))
-        start = starts.get((model, "fix_qk_norm"))
-        if not seeds or start is None or items(start, task) is None:
+        fixed_starts = _fixed_starts(starts, model, seeds)
+        if not seeds or not fixed_starts or items(fixed_starts[0], task) is None:
             continue
-        b, s0 = items(base[model], task), items(start, task)
+        b, s0 = items(base[model], task), mean_items(fixed_starts, task)
         native = arm_items(runs, model, PLAIN, task, seeds) - b
         fixed = arm_items(runs, model, "fix_qk_norm", task, seeds) - s0
         test = paired_bootstrap(native, fixed, ALPHA)
-        notes.append(f"{model}: {task} unadapted {b.mean():.3f}, with the fixed scale before training "
-                     f"{s0.mean():.3f} (the fixed scale is not the same function: see the methods); after VL training "
-                     f"native {(arm_items(runs, model, PLAIN, task, seeds)).mean():.3f}, fixed "
+        how = ("after the recovery phase" if "recovery" in fixed_starts[0]
+               else "no recovery phase: the fixed scale is not the same function, see the methods")
+        notes.append(f"{model}: {task} unadapted {b.mean():.3f}, with the fixed scale before VL training "
+                     f"{s0.mean():.3f} ({how}); after VL training native "
+                     f"{(arm_items(runs, model, PLAIN, task, seeds)).mean():.3f}, fixed "
                      f"{arm_items(runs, model, 'fix_qk_norm', task, seeds).mean():.3f}.")
         per_head = (base[model]["model"]["qk_norm"] == "per-head", "the model has no per-head QK-norm")
-        room_ok = has_headroom(start, task)
-        gate = all_of(per_head, _plain_hurts(base, runs, model, task),
+        room_ok = has_headroom(fixed_starts[0], task)
+        level = level_start(base, fixed_starts, model, task)
+        gate = all_of(per_head, level, _plain_hurts(base, runs, model, task),
                       (room_ok, f"the fixed-scale model starts at the floor of {task}: nothing left to lose"))
         claims.append(statistical(
             f"fixed_norm_loses_more_{slug(model)}", f"{SOURCE}, Limitations (the proposed causal test)",
@@ -318,7 +373,7 @@ def fixed_norm_finding(base: dict, runs: dict, starts: dict, models: list, task:
             "proposed, not run",
             ", ".join(f"seed {s}: S change {f:+.3f} vs native {n:+.3f}" for s, (f, n) in erosion.items()), ERODES_MORE,
             value=all(f < n for f, n in erosion.values()), origin="ours",
-            precondition=all_of(per_head, _comparable(base, runs, model, task),
+            precondition=all_of(per_head, level, _comparable(base, runs, model, task),
                                 (all(np.isfinite(x) for pair in erosion.values() for x in pair), "no probes"))))
     return Finding("Per-head QK-norm fixed during VL training", claims=claims, notes=notes)
 
@@ -486,17 +541,19 @@ class VLProtectionChapter(Chapter):
 
     @functools.cached_property
     def records(self) -> tuple[dict, dict, dict]:
-        """(``base[model]``, ``runs[(model, arm, seed)]``, ``starts[(model, arm)]``), computed where missing."""
+        """(``base[model]``, ``runs[(model, arm, seed)]``, ``starts[(model, arm, seed)]``), computed where missing
+        (a start's seed is None when it does not depend on one: no recovery phase)."""
         start = time.perf_counter()
         s = self.settings
-        listed = jobs.protection_jobs(self.recipe, s.interventions, s.seeds, s.merges, s.merge_models, s.merge_seeds)
+        listed = jobs.protection_jobs(self.recipe, s.interventions, s.seeds, s.merges, s.merge_models, s.merge_seeds,
+                                      s.recovery_steps)
         docs = jobs.run_adaptation_jobs(listed, s.workers, resolve_device(s.device))
         base, runs, starts = {}, {}, {}
         for job, doc in zip(listed, docs):
             if job["kind"] == "base":
                 base[job["model"]] = doc
             elif job["kind"] == "start":
-                starts[(job["model"], job["intervention"])] = doc
+                starts[(job["model"], job["intervention"], job.get("seed"))] = doc
             else:
                 runs[(job["config"]["model"], job["arm"], job["config"]["seed"])] = doc
         self.timings["records"] = round(time.perf_counter() - start, 1)
@@ -521,6 +578,7 @@ class VLProtectionChapter(Chapter):
     tradeoff = finding_of(tradeoff_finding, "base", "runs", "models")
     sink = finding_of(sink_finding, "base", "runs", "models")
     protection = finding_of(protection_finding, "base", "runs", "models")
+    recovery = finding_of(recovery_finding, "base", "starts", "models")
     fixed_norm = finding_of(fixed_norm_finding, "base", "runs", "starts", "models")
     injection = finding_of(injection_finding, "base", "runs", "models")
     merging = finding_of(merging_finding, "base", "runs", "models")

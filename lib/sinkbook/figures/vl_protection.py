@@ -42,3 +42,15 @@ def sink_figure(probes: dict[str, list[tuple[str, list[dict]]]]):
                                 name=name, row=1, col=col)
     fig.update_layout(height=380, title="Sink Strength along stage 2 (probes)")
     return fig
+
+
+def recovery_figure(curve: pd.DataFrame):
+    """The fixed-scale model's recovery phase: relative logit error against the unchanged model per step, a line
+    per model and seed (columns model, seed, step, relative logit error)."""
+    import plotly.express as px
+    curve = curve.assign(run=curve.model + ", seed " + curve.seed.astype(str))
+    fig = px.line(curve, x="step", y="relative logit error", color="run", markers=True,
+                  title="Recovery phase: the fixed-scale model's logits against the unchanged model's (held-out text)")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_layout(height=380)
+    return fig

@@ -34,6 +34,7 @@ from ..training.adapt import AdaptConfig, adapt, load_run, run_dir
 from ..training.corpus import heldout_text_windows
 from ..training.digits import TASKS
 from ..training.probes import AdaptationProbe, held_out_vision_examples, vision_scores
+from ..training.recovery import Recovery, recovered_start
 from ..training.remedies import CHANGES_NORMS, calibration_batch
 from .pool import run_jobs
 
@@ -178,16 +179,30 @@ def _add_first_order_regime(path: Path, cfg, spec: dict, device: str) -> None:
 
 
 def _start_job(job: dict, spec: dict, device: str) -> str:
-    path = start_eval_path(job["model"], job["intervention"], spec)
-    with entry_lock(path, f"the {job['intervention']} start of {job['model']}"):
+    """A changed model before VL training; with ``recovery_steps`` (fixed scale only), after the text-only recovery
+    phase of that seed (``training.recovery``), whose record the evaluation carries."""
+    steps = job.get("recovery_steps", 0)
+    recovery = Recovery(steps) if steps else None
+    name, keyed = job["intervention"], spec
+    if recovery is not None:
+        name = f"{name}-recovered-s{job['seed']}"
+        keyed = {**spec, "recovery": recovery.record(), "recovery_precision": job["precision"]}
+    path = start_eval_path(job["model"], name, keyed)
+    with entry_lock(path, f"the {name} start of {job['model']}"):
         if path.exists():
             return str(path)
         loaded, reference = load_model(job["model"], device=device), load_model(job["model"], device=device)
+        recovered = None
         if job["intervention"] == "fix_qk_norm":
             fix_qk_norm(loaded.model, calibration_batch(loaded))
+            if recovery is not None:
+                recovered = recovered_start(job["model"], loaded, job["seed"], recovery, job["precision"])
         else:
             inject_qk_norm(loaded.model)
-        _write(path, evaluate(loaded, None, None, spec, reference=reference, theorem1=False))
+        result = evaluate(loaded, None, None, spec, reference=reference, theorem1=False)
+        if recovered is not None:
+            result["recovery"] = recovered
+        _write(path, result)
     return str(path)
 
 
@@ -273,10 +288,11 @@ def adaptation_jobs(s) -> list[dict]:
 
 
 def protection_jobs(recipe_settings, interventions: dict, seeds: list, merges: list, merge_models: list,
-                    merge_seeds: list) -> list[dict]:
+                    merge_seeds: list, recovery_steps: int = 0) -> list[dict]:
     """The protection chapter's jobs: unadapted evaluations, the plain vision runs every intervention and merge
-    is compared with, each intervention's runs (and, for a fixed QK-norm, the changed model before training),
-    and the merges. Interventions and merges are evaluated without IFEval-style compliance."""
+    is compared with, each intervention's runs (and, for a fixed QK-norm, the changed model before training:
+    with ``recovery_steps``, each seed's recovered start, from which that seed's run trains), and the merges.
+    Interventions and merges are evaluated without IFEval-style compliance."""
     a = recipe_settings
     full, probe = eval_spec(a), probe_spec(a)
     reduced = {**full, "ifeval": 0}
@@ -290,9 +306,14 @@ def protection_jobs(recipe_settings, interventions: dict, seeds: list, merges: l
         jobs += [{"kind": "run", "config": plain[model, s].record(), "eval": full, "probe": probe, "device": device,
                   "arm": "none"} for s in sorted(wanted)]
         for arm in interventions.get(model, []):
-            jobs += [{"kind": "run", "config": dataclasses.replace(plain[model, s], intervention=arm).record(),
+            recovery = {"recovery_steps": recovery_steps} if arm == "fix_qk_norm" else {}
+            jobs += [{"kind": "run", "config": dataclasses.replace(plain[model, s], intervention=arm,
+                                                                   **recovery).record(),
                       "eval": reduced, "probe": probe, "device": device, "arm": arm} for s in seeds]
-            if arm == "fix_qk_norm":
+            if arm == "fix_qk_norm" and recovery_steps:
+                jobs += [{"kind": "start", "model": model, "intervention": arm, "eval": reduced, "device": device,
+                          "seed": s, "recovery_steps": recovery_steps, "precision": a.precision} for s in seeds]
+            elif arm == "fix_qk_norm":
                 jobs.append({"kind": "start", "model": model, "intervention": arm, "eval": reduced, "device": device})
         if model in merge_models:
             jobs += [{"kind": "merge", "config": plain[model, s].record(), "merge": m, "eval": reduced,

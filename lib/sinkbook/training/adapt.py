@@ -73,6 +73,7 @@ class AdaptConfig:
     text_share: float = 0.25         # text_blend: share of stage-2 steps on text-only batches
     lora_rank: int = 16              # lora: adapter rank (alpha = 2 x rank)
     precision: str = "float32"       # or "bfloat16": stages 1-2 under bfloat16 autocast (core.precision)
+    recovery_steps: int = 0          # fix_qk_norm: text-only recovery steps before stage 0 (training.recovery)
 
     def __post_init__(self):
         if self.modality not in MODALITIES:
@@ -95,6 +96,12 @@ class AdaptConfig:
         if not (self.lr > 0 and self.stage1_lr > 0):
             raise ValueError(f"learning rates must be > 0, got lr={self.lr}, stage1_lr={self.stage1_lr}")
         check_precision(self.precision)
+        if self.recovery_steps < 0:
+            raise ValueError(f"recovery_steps must be >= 0, got {self.recovery_steps}")
+        if self.recovery_steps and self.intervention != "fix_qk_norm":
+            raise ValueError("recovery_steps applies to intervention 'fix_qk_norm' only: the phase distils the "
+                             "changed model back toward the unchanged one, which for any other model is the identity "
+                             f"or not the paper's recipe (got intervention {self.intervention!r})")
         object.__setattr__(self, "tasks", tuple(self.tasks))
 
     def record(self) -> dict:
@@ -105,6 +112,8 @@ class AdaptConfig:
                 out.pop(name)
         if self.precision == "float32":      # float32 runs keep the keys they had before the setting existed
             out.pop("precision")
+        if not self.recovery_steps:          # and runs without a recovery phase the keys they had before it
+            out.pop("recovery_steps")
         return out
 
     def key(self, tag: str = "") -> str:
@@ -237,6 +246,10 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     vlm = build_vlm(loaded, vision_encoder(str(accelerator.device), cfg.seed), seed=cfg.seed)
     change = RecipeChange(cfg, vlm, loaded)
     change.prepare()
+    if cfg.recovery_steps:
+        from .recovery import Recovery, recovered_start
+        change.record["recovery"] = recovered_start(cfg.model, loaded, cfg.seed, Recovery(cfg.recovery_steps),
+                                                    cfg.precision, progress=progress)
     history, probes, start = [], [], time.perf_counter()
     warm = lambda steps: max(1, round(cfg.warmup_ratio * steps))
     if cfg.modality == "vision" and cfg.align_steps:
