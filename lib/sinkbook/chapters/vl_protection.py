@@ -51,19 +51,19 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
           "text_blend": "text re-blended", **{f"merge:{m}": f"merge {m}" for m in MERGES}}
 
 # The fixed-scale model's text-only recovery phase before VL training (``training.recovery``): steps per profile.
-RECOVERY_STEPS = {"default": 150, "gpu": 500}
+RECOVERY_STEPS = {"default": 100, "gpu": 500}
 
 PROFILES = Profiles({
     "quick": dict(interventions={SMOLLM2: ["protection"]}, seeds=[0], merges=["uniform"],
                   merge_models=[SMOLLM2], merge_seeds=[0], workers=2, adaptation={}, recovery_steps=0),
-    # The default fits 30 minutes on two cores (measured): the interventions on the model whose text skill plain
-    # adaptation damages (Gemma 3), the injection control on the model without QK-norm (SmolLM2), and every merge
-    # but task arithmetic (with the adapted model's own base it is the adapted model itself; its claim says so),
-    # of both seeds. Frozen LLM, LoRA and text re-blending are the gpu profile's (and one command away here).
+    # The default: the interventions on the model whose text skill plain adaptation damages (Gemma 3), the injection
+    # control on the model without QK-norm (SmolLM2), and every merge but task arithmetic (with the adapted model's
+    # own base it is the adapted model itself; its claim says so), of three seeds. Frozen LLM, LoRA and text
+    # re-blending are the gpu and gpu-local profiles' (and one command away here).
     "default": dict(interventions={SMOLLM2: ["inject_qk_norm"],
                                    GEMMA3: ["protection", "fix_qk_norm"]},
-                    seeds=[0, 1], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
-                    merge_seeds=[0, 1],
+                    seeds=[0, 1, 2], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
+                    merge_seeds=[0, 1, 2],
                     workers=2, adaptation={}, recovery_steps=RECOVERY_STEPS["default"]),
     "gpu": dict(interventions={"Qwen/Qwen2.5-1.5B-Instruct": ["protection", "inject_qk_norm", "frozen_llm", "lora",
                                                              "text_blend"],
