@@ -164,3 +164,15 @@ def test_matches_mergekit_where_it_implements_the_same_formula(tmp_path):
             theirs.update(load_file(f))
         for k, v in theirs.items():
             torch.testing.assert_close(v, ours[method][k], rtol=0, atol=1e-6)
+
+
+def test_ties_leaves_an_entry_no_model_changed_without_sorting_it(monkeypatch):
+    base = sd(frozen=[0.5, -1.0, 2.0], moved=[0.0, 0.0, 0.0])
+    other = sd(frozen=[0.5, -1.0, 2.0], moved=[1.0, -2.0, 0.1])
+    trimmed = []
+    original = M.trim_top_k
+    monkeypatch.setattr(M, "trim_top_k", lambda tau, density: trimmed.append(tau.shape) or original(tau, density))
+    out = M.ties_merge(base, [other], density=0.4)
+    torch.testing.assert_close(out["frozen"], base["frozen"], rtol=0, atol=0)
+    torch.testing.assert_close(out["moved"], torch.tensor([0.0, -2.0, 0.0], dtype=torch.float64))
+    assert len(trimmed) == 1                     # only the entry a model changed was trimmed
