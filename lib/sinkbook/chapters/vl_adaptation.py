@@ -46,7 +46,7 @@ KNOWLEDGE_TASKS = ("knowledge_mc",)
 
 _MODELS = {"quick": [SMOLLM2], "default": [SMOLLM2, GEMMA3],
            "gpu": ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"], "gpu-local": [SMOLLM2, GEMMA3]}
-# Three seeds (issue 23): each run's seed also draws its digit encoder, so the spread includes that variance.
+# Three seeds: each run's seed also draws its digit encoder, so the spread includes that variance.
 _SEEDS = {"quick": [0], "default": [0, 1, 2], "gpu": [0, 1, 2], "gpu-local": [0, 1, 2]}
 _WORKERS = {"quick": 2, "default": 2, "gpu": 1, "gpu-local": 1}
 PROFILES = Profiles({p: dict(models=_MODELS[p], seeds=_SEEDS[p], **jobs.RECIPE.table[p], workers=_WORKERS[p])

@@ -46,9 +46,8 @@ class Recovery:
     probe_windows: int = 4           # held-out windows of the curve (128 tokens)
 
     def __post_init__(self):
-        for name in ("steps",):
-            if getattr(self, name) < 0:
-                raise ValueError(f"recovery {name} must be >= 0, got {getattr(self, name)}")
+        if self.steps < 0:
+            raise ValueError(f"recovery steps must be >= 0, got {self.steps}")
         for name in ("batch_size", "probe_every", "probe_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"recovery {name} must be >= 1, got {getattr(self, name)}")

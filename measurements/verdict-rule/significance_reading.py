@@ -1,9 +1,9 @@
-"""Each statistical claim of a results folder read two ways: by the verdict rule of issue 22 (its results file) and by
+"""Each statistical claim of a results folder read two ways: by the book's verdict rule (its results file) and by
 a significance test alone, the rule the book used before (holds when the 95% interval excludes zero on the paper's
 side, does not hold otherwise; for a non-inferiority claim, holds unless the interval lies wholly against the paper).
 Same data, two rules: every difference is the rule's, none is the runs'.
 
-    python measurements/issue22/significance_reading.py RESULTS.json [RESULTS.json ...]
+    python measurements/verdict-rule/significance_reading.py RESULTS.json [RESULTS.json ...]
 """
 from __future__ import annotations
 
