@@ -95,6 +95,14 @@ def test_a_recovered_start_that_does_not_fit_the_model_says_so(private_cache):
         recovered_start("tiny-qwen3", other, 0, SMALL)
 
 
+def test_a_run_started_from_a_recovery_is_keyed_by_the_phase_it_started_from(monkeypatch):
+    import sinkbook.training.recovery as recovery
+    cfg, plain = AdaptConfig("tiny-gemma3", intervention="fix_qk_norm", recovery_steps=5), AdaptConfig("tiny-gemma3")
+    before, plain_before = cfg.key(), plain.key()
+    monkeypatch.setattr(recovery, "RECOVERY_FORMAT", recovery.RECOVERY_FORMAT + 1)
+    assert cfg.key() != before and plain.key() == plain_before
+
+
 def test_only_the_fixed_scale_arm_takes_a_recovery_and_keys_stay_without_one():
     assert "recovery_steps" not in AdaptConfig("tiny-gemma3", intervention="fix_qk_norm").record()
     assert AdaptConfig("tiny-gemma3", intervention="fix_qk_norm", recovery_steps=5).key() != \

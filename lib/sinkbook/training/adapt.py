@@ -118,7 +118,12 @@ class AdaptConfig:
 
     def key(self, tag: str = "") -> str:
         name = Path(self.model).name if ("/" in self.model or self.model.endswith(".gguf")) else self.model
-        return f"{name}-{self.modality}-s{self.seed}-" + cache_key({"format": RUN_FORMAT, "tag": tag, **self.record()})
+        recovery = {}
+        if self.recovery_steps:              # the phase's own settings and format key the run it starts
+            from .recovery import Recovery
+            recovery = {"recovery": Recovery(self.recovery_steps).record()}
+        return f"{name}-{self.modality}-s{self.seed}-" + cache_key({"format": RUN_FORMAT, "tag": tag, **self.record(),
+                                                                   **recovery})
 
 
 @dataclasses.dataclass

@@ -29,11 +29,11 @@ import torch
 
 from ..core.paths import cache_key, cache_root, entry_lock, staging
 from .corpus import fetch_sdist, heldout_text_windows, read_works, split_works
-from .loop import fit, warmup_cosine
+from .loop import Every, fit, warmup_cosine
 
 log = logging.getLogger(__name__)
 
-RECOVERY_FORMAT = 1              # bump when what the phase does changes (it keys the cached recovered models)
+RECOVERY_FORMAT = 2              # 2: the curve rows drop the loss (it is in the history); bump when what the phase does changes (it keys the cached recovered models)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,25 +112,6 @@ def logit_agreement(student, teacher, windows: torch.Tensor) -> dict:
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
 
 
-class _Curve:
-    """A ``fit`` callback: the agreement at step 0 and every ``every`` steps."""
-
-    def __init__(self, teacher, windows, every: int):
-        self.teacher, self.windows, self.every, self.rows = teacher, windows, every, []
-
-    def start(self, model) -> None:
-        model.eval()
-        self.rows.append({"step": 0, **logit_agreement(model, self.teacher, self.windows)})
-        model.train()
-
-    def __call__(self, step: int, model, record: dict, last: bool) -> None:
-        if step % self.every == 0 or last:
-            model.eval()
-            self.rows.append({"step": step, "loss": record["loss"],
-                              **logit_agreement(model, self.teacher, self.windows)})
-            model.train()
-
-
 def recover(student, teacher, tokenizer, recovery: Recovery, seed: int, heldout: torch.Tensor,
             precision: str = "float32", progress: bool = False, desc: str = "recovery") -> dict:
     """Train ``student`` in place toward ``teacher`` (module docstring). Returns {"history", "curve", "seconds"}."""
@@ -140,10 +121,10 @@ def recover(student, teacher, tokenizer, recovery: Recovery, seed: int, heldout:
     student.requires_grad_(True)
     student.get_input_embeddings().requires_grad_(False)
     student.get_output_embeddings().requires_grad_(False)
-    params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recovery.lr, weight_decay=0.0,
-                                  **({"fused": True} if precision != "float32" else {}))
-    curve = _Curve(teacher, heldout, recovery.probe_every)
+    from .adapt import adaptation_optimizer
+    optimizer = adaptation_optimizer([p for p in student.parameters() if p.requires_grad], recovery.lr, precision)
+    curve = Every(recovery.probe_every, lambda step, model: logit_agreement(model, teacher, heldout), "curve",
+                  at_start=True)
     warm = max(1, round(0.1 * recovery.steps))
     result = fit(student, optimizer, text_batches(tokenizer, recovery, seed), recovery.steps,
                  warmup_cosine(recovery.lr, recovery.steps, warm, min_lr_ratio=0.0),
@@ -151,7 +132,8 @@ def recover(student, teacher, tokenizer, recovery: Recovery, seed: int, heldout:
                  callbacks=[curve], progress=progress, desc=desc, precision=precision)
     student.requires_grad_(False)
     return {"history": [{k: h[k] for k in ("step", "loss", "grad_norm")} for h in result.history],
-            "curve": curve.rows, "seconds": result.seconds}
+            "curve": [{k: v for k, v in row.items() if k != "name"} for row in result.probes],
+            "seconds": result.seconds}
 
 
 # ---- the recovered start of a run, computed once per model, seed and setting ---------------------------------------
