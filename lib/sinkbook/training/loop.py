@@ -194,6 +194,14 @@ def _to(batch, device):
     return batch
 
 
+def adaptation_optimizer(params, lr: float, precision: str = "float32"):
+    """AdamW without weight decay. bfloat16 runs take torch's fused AdamW kernel: on one CPU thread its step over
+    the ~100M trained parameters takes a quarter of the time of the default one (0.11 s against 0.45 s for 88M),
+    which would otherwise be a third of a step. float32 runs keep the default kernel their cached runs were
+    trained with (the two round differently)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **({"fused": True} if precision != "float32" else {}))
+
+
 def warmup_cosine(lr: float, steps: int, warmup_steps: int, min_lr_ratio: float = 0.1) -> Callable[[int], float]:
     """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
     if not 0 <= warmup_steps <= steps:

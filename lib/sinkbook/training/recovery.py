@@ -29,7 +29,7 @@ import torch
 
 from ..core.paths import cache_key, cache_root, entry_lock, staging
 from .corpus import fetch_sdist, heldout_text_windows, read_works, split_works
-from .loop import Every, fit, warmup_cosine
+from .loop import Every, adaptation_optimizer, fit, warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ def recover(student, teacher, tokenizer, recovery: Recovery, seed: int, heldout:
     student.requires_grad_(True)
     student.get_input_embeddings().requires_grad_(False)
     student.get_output_embeddings().requires_grad_(False)
-    from .adapt import adaptation_optimizer
     optimizer = adaptation_optimizer([p for p in student.parameters() if p.requires_grad], recovery.lr, precision)
     curve = Every(recovery.probe_every, lambda step, model: logit_agreement(model, teacher, heldout), "curve",
                   at_start=True)
