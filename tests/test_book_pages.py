@@ -35,12 +35,27 @@ def browser():
     shutil.rmtree(profile, ignore_errors=True)
 
 
-def _open(browser, url):
+# The page's size once every plotly figure has drawn (figures draw, and resize, after the load event); false before.
+SETTLED = ("(function(){var p = document.querySelectorAll('.plotly-graph-div');"
+           " for (var i = 0; i < p.length; i++) if (!p[i]._fullLayout) return false;"
+           " var d = document.documentElement; return d.scrollWidth + 'x' + d.scrollHeight;})()")
+
+
+def _open(browser, url, timeout=60.0):
+    """Navigate and wait until the page has loaded and its layout has stopped changing: the same size on two
+    polls 0.1 s apart, with every figure drawn (a fixed sleep here cost a second a page)."""
     tools, session = browser
     tools.send("Page.navigate", {"url": url}, session)
-    _wait_for(tools, session, "document.readyState === 'complete'")
-    time.sleep(1.0)                                   # plotly figures resize after load
-    return lambda expression: _evaluate(tools, session, expression)
+    _wait_for(tools, session, f"location.href === {json.dumps(url)} && document.readyState === 'complete'",
+              timeout=timeout, every=0.05)
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        size = _evaluate(tools, session, SETTLED)
+        if size and size == last:
+            return lambda expression: _evaluate(tools, session, expression)
+        last = size
+        time.sleep(0.1)
+    raise AssertionError(f"{url}: the layout did not settle in {timeout} s")
 
 
 def _executed(name):

@@ -111,11 +111,12 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def served_book():
     _require_page()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(BOOK)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # a short poll, because shutdown waits for one
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
@@ -126,13 +127,13 @@ def _evaluate(tools, session, expression):
     return result.get("result", {}).get("value")
 
 
-def _wait_for(tools, session, expression, timeout=60.0):
+def _wait_for(tools, session, expression, timeout=60.0, every=0.25):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = _evaluate(tools, session, expression)
         if value:
             return value
-        time.sleep(0.25)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for: {expression}")
 
 
