@@ -41,8 +41,9 @@ def cpu_seconds(work) -> float:
     return time.process_time() - start
 
 
-def context(precision: str):
-    return lambda: autocast(precision)
+def context(precision: str, model=None):
+    """The evaluation context the book uses: autocast, frozen weights cast once per context (``core.precision``)."""
+    return lambda: autocast(precision, model=model)
 
 
 def agreement(loaded, n_arithmetic: int, n_knowledge: int, n_windows: int) -> dict:
@@ -53,9 +54,9 @@ def agreement(loaded, n_arithmetic: int, n_knowledge: int, n_windows: int) -> di
     for precision in PRECISIONS:
         with torch.no_grad(), autocast(precision):
             strength = sink_strength(loaded, prompts, layers="all")
-        arithmetic = run_arithmetic(loaded, items, context=context(precision))["arithmetic_strict"]
-        knowledge = run_knowledge(loaded, mc, context=context(precision))
-        held_out = heldout_loss(loaded, windows, context=context(precision))
+        arithmetic = run_arithmetic(loaded, items, context=context(precision, loaded.model))["arithmetic_strict"]
+        knowledge = run_knowledge(loaded, mc, context=context(precision, loaded.model))
+        held_out = heldout_loss(loaded, windows, context=context(precision, loaded.model))
         window = min(10, strength.n_layers)                     # the book's K = 10 (fewer on a tiny model)
         out[precision] = {"S": strength.strength(window), "mean_G": strength.strength(window, reduce="mean"),
                           "responses": arithmetic.details["responses"], "arithmetic": arithmetic.score,
@@ -100,14 +101,14 @@ def timings(loaded, model: str, blocks: int, steps: int) -> dict:
         step += steps
 
     def decode(precision, new_tokens):
-        with torch.no_grad(), autocast(precision):
+        with torch.no_grad(), autocast(precision, model=loaded.model):
             loaded.model.generate(**encoded, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                   pad_token_id=pad)
 
     work = {
         "adaptation_step": lambda p: train(p),
         "probe": lambda p: _probe(probe, vlm, loaded, fmt, p),
-        "evaluation_pass": lambda p: run_arithmetic(loaded, items, context=context(p)),
+        "evaluation_pass": lambda p: run_arithmetic(loaded, items, context=context(p, loaded.model)),
         "decoding_32_tokens": lambda p: decode(p, 32),
         "prefill_1_token": lambda p: decode(p, 1),
     }
@@ -135,8 +136,8 @@ def timings(loaded, model: str, blocks: int, steps: int) -> dict:
 
 
 def _probe(probe, vlm, loaded, fmt, precision):
-    with autocast(precision):
-        probe(0, vlm, loaded, fmt, "vision")
+    probe.precision = precision              # as a run of that precision builds it (training.probes)
+    probe(0, vlm, loaded, fmt, "vision")
 
 
 def main() -> None:

@@ -49,3 +49,30 @@ def test_fit_in_bfloat16_tracks_float32_and_keeps_float32_weights():
     assert histories["bfloat16"] == pytest.approx(histories["float32"], rel=1e-2)
     with pytest.raises(ValueError, match="precision must be one of"):
         fit(model, optimizer, lambda step: batch, 1, lambda step: 1e-3, progress=False, precision="half")
+
+
+def test_evaluation_casts_frozen_weights_once_and_changes_no_number():
+    """With a model given and gradients off, frozen weights are cast once per context (autocast's cache), the
+    outputs equal plain autocast's bit for bit, and every weight's requires_grad is restored, after an exception
+    too; with gradients on, nothing is marked."""
+    from sinkbook.core.models import load_model
+    model = load_model("tiny-llama", device="cpu").model
+    model.get_input_embeddings().requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with autocast("bfloat16"):
+            plain = model(ids).logits
+        with autocast("bfloat16", model=model):
+            assert all(p.requires_grad for p in model.parameters())
+            once = model(ids).logits
+            again = model(ids).logits
+        with pytest.raises(RuntimeError, match="stop"):
+            with autocast("bfloat16", model=model):
+                raise RuntimeError("stop")
+    assert torch.equal(plain, once) and torch.equal(once, again)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    with autocast("bfloat16", model=model):
+        assert not model.get_input_embeddings().weight.requires_grad      # gradients on: left alone
+    with torch.no_grad(), autocast("float32", model=model):
+        assert not model.get_input_embeddings().weight.requires_grad

@@ -598,7 +598,7 @@ def generate(loaded, prompts: list[str], chat: bool, max_new_tokens: int, stop: 
         if share_prefix and _window_covers(model, [encoded[k] for k in chunk], max_new_tokens):
             def stopped(tokens):
                 return any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop)
-            with _entered(context):
+            with torch.no_grad(), _entered(context):
                 news = greedy_shared_prefix(model, [encoded[k] for k in chunk], ends, max_new_tokens,
                                             stopped if stop else None, pad)
             for k, new in zip(chunk, news):

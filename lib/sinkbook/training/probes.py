@@ -71,7 +71,7 @@ class AdaptationProbe:
         with torch.no_grad():
             # the sink against the reference's logits stays float32 (an exact comparison); the rest follows the run
             state, _ = sink_state(vlm.llm, _on(self.batch, loaded.device), self.layers, self.reference_logits)
-            context = lambda: autocast(self.precision, str(loaded.device))
+            context = lambda: autocast(self.precision, str(loaded.device), vlm)
             out = {**state, "heldout_loss": float(heldout_loss(loaded, self.windows, context=context).loss)}
             if self.arithmetic:
                 suite = run_suite(loaded, arithmetic=self.arithmetic, knowledge=0, ifeval=0, share_prefix=True,
