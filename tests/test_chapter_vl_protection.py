@@ -286,6 +286,11 @@ def test_jobs_share_the_adaptation_chapters_plain_runs():
     arms = {(j["config"]["model"], j["arm"]) for j in jobs if j["kind"] == "run"}
     assert ("gemma3-270m", "fix_qk_norm") in arms and ("gemma3-270m", "protection") in arms
     assert ("smollm2-135m-instruct", "inject_qk_norm") in arms
+    for model in ("gemma3-270m", "smollm2-135m-instruct"):      # the known remedies on the plain runs' seeds
+        plain_seeds = {j["config"]["seed"] for j in plain if j["config"]["model"] == model}
+        for remedy in vp.REMEDIES:
+            assert plain_seeds == {0, 1, 2} == {j["config"]["seed"] for j in jobs if j["kind"] == "run" and
+                                                j["arm"] == remedy and j["config"]["model"] == model}, remedy
 
 
 @pytest.mark.parametrize("override, why", [(dict(interventions={"x": ["dropout"]}), "unknown interventions"),

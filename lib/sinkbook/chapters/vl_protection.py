@@ -50,18 +50,21 @@ LABELS = {"none": "plain VL", "protection": "head-selective protection", "fix_qk
           "inject_qk_norm": "QK-norm injected", "frozen_llm": "frozen LLM", "lora": "LoRA",
           "text_blend": "text re-blended", **{f"merge:{m}": f"merge {m}" for m in MERGES}}
 
+# The known remedies the paper compares its proposals with (Sec. 1), run on every model of the default profile.
+REMEDIES = ["frozen_llm", "lora", "text_blend"]
+
 # The fixed-scale model's text-only recovery phase before VL training (``training.recovery``): steps per profile.
 RECOVERY_STEPS = {"default": 100, "gpu": 500}
 
 PROFILES = Profiles({
     "quick": dict(interventions={SMOLLM2: ["protection"]}, seeds=[0], merges=["uniform"],
                   merge_models=[SMOLLM2], merge_seeds=[0], workers=2, adaptation={}, recovery_steps=0),
-    # The default: the interventions on the model whose text skill plain adaptation damages (Gemma 3), the injection
-    # control on the model without QK-norm (SmolLM2), and every merge but task arithmetic (with the adapted model's
-    # own base it is the adapted model itself; its claim says so), of three seeds. Frozen LLM, LoRA and text
-    # re-blending are the gpu and gpu-local profiles' (and one command away here).
-    "default": dict(interventions={SMOLLM2: ["inject_qk_norm"],
-                                   GEMMA3: ["protection", "fix_qk_norm"]},
+    # The default: the paper's proposals on the model whose text skill plain adaptation damages (Gemma 3), the
+    # injection control on the model without QK-norm (SmolLM2), the known remedies (frozen LLM, LoRA, text
+    # re-blending) on both, and every merge but task arithmetic (with the adapted model's own base it is the adapted
+    # model itself; its claim says so), of the plain runs' three seeds.
+    "default": dict(interventions={SMOLLM2: ["inject_qk_norm", *REMEDIES],
+                                   GEMMA3: ["protection", "fix_qk_norm", *REMEDIES]},
                     seeds=[0, 1, 2], merges=["mix_95_5", "uniform", "ties", "dare"], merge_models=[GEMMA3],
                     merge_seeds=[0, 1, 2],
                     workers=2, adaptation={}, recovery_steps=RECOVERY_STEPS["default"]),
