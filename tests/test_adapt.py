@@ -303,3 +303,25 @@ def test_bfloat16_runs_are_keyed_apart_and_float32_keys_stay_as_they_were(tmp_pa
     assert losses == pytest.approx([h["loss"] for h in reference.history], rel=2e-2)
     assert {p.dtype for p in run.vlm.parameters()} == {torch.float32}
     assert AdaptConfig(**run.config.record()) == fast                              # the record round-trips
+
+
+def test_a_run_that_will_not_fit_on_the_disk_is_refused_before_training(tmp_path, monkeypatch):
+    """A full disk found when the weights are written lost a 30-minute build's last run; the room is checked first,
+    against the weights' size with tied tensors counted once."""
+    import collections
+    import shutil
+
+    from sinkbook.core import paths
+    from sinkbook.training import adapt as adapt_module
+    tied = torch.nn.Linear(4, 4)
+    pair = torch.nn.ModuleDict({"a": tied, "b": torch.nn.Linear(4, 4)})
+    pair["b"].weight = tied.weight
+    assert paths.weight_bytes(pair) == 4 * (16 + 4 + 4)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    trained = []
+    monkeypatch.setattr(adapt_module, "fit", lambda *a, **k: trained.append(1))
+    cfg = AdaptConfig("tiny-llama", steps=2, stage1_steps=1, batch_size=4)
+    with pytest.raises(paths.NoRoom, match=r"has 0\.0 GB free and run needs about .* point SINKBOOK_CACHE"):
+        adapt(cfg, device="cpu", use_cache=False, progress=False, out=tmp_path / "deep" / "run")
+    assert not trained and not (tmp_path / "deep").exists()

@@ -38,6 +38,29 @@ def cache_key(doc: dict, length: int = 12) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:length]
 
 
+class NoRoom(OSError):
+    """The disk under a cache entry has less free space than the entry will take."""
+
+
+def check_room(path: str | Path, needed_bytes: int) -> None:
+    """Refuse, in one line and before any work, to compute an entry whose files will not fit on the disk: a full
+    disk found only when the weights are written loses the whole run."""
+    import shutil
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free < needed_bytes:
+        raise NoRoom(f"{existing} has {free / 1e9:.1f} GB free and {Path(path).name} needs about "
+                     f"{needed_bytes / 1e9:.1f} GB: free space (old runs in {cache_root() / 'adapt'}) or point "
+                     f"SINKBOOK_CACHE at a larger disk")
+
+
+def weight_bytes(module) -> int:
+    """Bytes of a module's weights as saved (a tensor shared by two names, like tied embeddings, counted once)."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in module.state_dict().values()}.values())
+
+
 def results_dir() -> Path:
     """Where results files go: ``$SINKBOOK_RESULTS_DIR`` (the book build sets it per profile), else the clone's
     results/, else (an installed library) results/ in the working directory."""

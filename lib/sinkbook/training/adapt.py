@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from ..core.models import load_model, resolve_device
-from ..core.paths import cache_key, cache_root, entry_lock, kill_point, staging
+from ..core.paths import cache_key, cache_root, check_room, entry_lock, kill_point, staging, weight_bytes
 from ..core.precision import check_precision
 from .digits import TASKS, load_digit_splits, make_examples
 from .loop import Every, adaptation_optimizer, fit, report_version_drift, trained_with, warmup_cosine
@@ -241,6 +241,7 @@ def adapt(cfg: AdaptConfig, probe: Callable | None = None, probe_tag: str = "", 
     loaded = load_model(cfg.model, device=str(accelerator.device))
     fmt = PromptFormat.for_tokenizer(loaded.tokenizer)
     vlm = build_vlm(loaded, vision_encoder(str(accelerator.device), cfg.seed), seed=cfg.seed)
+    check_room(directory, weight_bytes(vlm))
     change = RecipeChange(cfg, vlm, loaded)
     change.prepare()
     if cfg.recovery_steps:
