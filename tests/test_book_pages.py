@@ -45,9 +45,11 @@ def _open(browser, url, timeout=60.0):
     """Navigate and wait until the page has loaded and its layout has stopped changing: the same size on two
     polls 0.1 s apart, with every figure drawn (a fixed sleep here cost a second a page)."""
     tools, session = browser
+    # a mark on the page being left tells it from the new one (a URL check would never pass on a redirect page)
+    _evaluate(tools, session, "window.sinkbookLeaving = true")
     tools.send("Page.navigate", {"url": url}, session)
-    _wait_for(tools, session, f"location.href === {json.dumps(url)} && document.readyState === 'complete'",
-              timeout=timeout, every=0.05)
+    _wait_for(tools, session, "!window.sinkbookLeaving && document.readyState === 'complete'", timeout=timeout,
+              every=0.05)
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         size = _evaluate(tools, session, SETTLED)
