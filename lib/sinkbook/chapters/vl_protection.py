@@ -74,8 +74,8 @@ PROFILES = Profiles({
                 seeds=[0, 1, 2], merges=list(MERGES), merge_models=["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-1.7B"],
                 merge_seeds=[0, 1, 2], workers=1, adaptation={}, recovery_steps=RECOVERY_STEPS["gpu"]),
 }, limits=dict(seeds=NON_EMPTY, merges=subset_of(MERGES), workers=POSITIVE, recovery_steps=NON_NEGATIVE),
-   local=dict(interventions={SMOLLM2: ["protection", "inject_qk_norm", "frozen_llm", "lora", "text_blend"],
-                             GEMMA3: ["protection", "fix_qk_norm", "frozen_llm", "lora", "text_blend"]},
+   local=dict(interventions={SMOLLM2: ["protection", "inject_qk_norm", *REMEDIES],
+                             GEMMA3: ["protection", "fix_qk_norm", *REMEDIES]},
               merge_models=[SMOLLM2, GEMMA3]))
 
 # ---- rules, each written once ----------------------------------------------------------------------------------

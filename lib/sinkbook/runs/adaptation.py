@@ -239,7 +239,8 @@ def evaluate(loaded, vlm, fmt, spec: dict, reference=None, modality: str | None 
     start = time.perf_counter()
     chat = bool(getattr(loaded.tokenizer, "chat_template", None))
     ifeval = spec["ifeval"] if (chat or spec["ifeval_base_models"]) else 0
-    context = lambda: autocast(spec.get("precision", "float32"), str(loaded.device), vlm if vlm is not None else loaded.model)
+    evaluated = vlm if vlm is not None else loaded.model
+    context = lambda: autocast(spec.get("precision", "float32"), str(loaded.device), evaluated)
     suite = run_suite(loaded, arithmetic=spec["arithmetic"], knowledge=spec["knowledge"], ifeval=ifeval,
                       ifeval_tokens=spec["ifeval_tokens"], context=context)
     kill_point("evaluate-adapted" if vlm is not None else "evaluate")
