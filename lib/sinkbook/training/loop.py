@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..core.paths import kill_point, staging
-from ..core.precision import autocast, check_precision
+from ..core.precision import autocast, check_precision, frozen_linears_cast_once
 
 
 class CachedRunVersionWarning(UserWarning):
@@ -151,36 +151,37 @@ def fit(model, optimizer, batch_at: Callable[[int], object], steps: int, lr_at: 
     bar = tqdm(range(steps), desc=desc, disable=not progress or not accelerator.is_local_main_process,
                mininterval=2.0)
     start = time.perf_counter()
-    for step in bar:
-        batch = _to(batch_at(step), accelerator.device)
-        lr = lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        with autocast(precision, str(accelerator.device)):
-            loss = loss_fn(model, batch).float()
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(loss)
-        grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")
-        optimizer.step()
-        kill_point("train")
-        # Under several processes each holds its share's loss, scaled so that the mean over processes is the
-        # global batch's loss: record that mean.
-        value = float(accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss.detach())
-        if not math.isfinite(value):
-            raise Diverged(f"training diverged at step {step} (loss {value}); lower the learning rate (now {lr:g})")
-        record = {"step": step, "loss": value, "lr": lr, "grad_norm": grad_norm,
-                  "seconds": time.perf_counter() - start}
-        history.append(record)
-        last = step + 1 == steps
-        try:
-            for cb in callbacks:
-                cb(step + 1, _unwrap(model), record, last)
-        except StopTraining:
-            stopped = True
-        if hasattr(bar, "set_postfix") and step % 10 == 0:
-            bar.set_postfix(loss=f"{value:.3f}")
-        if stopped:
-            break
+    with frozen_linears_cast_once(_unwrap(model), precision):
+        for step in bar:
+            batch = _to(batch_at(step), accelerator.device)
+            lr = lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            with autocast(precision, str(accelerator.device)):
+                loss = loss_fn(model, batch).float()
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            grad_norm = float(accelerator.clip_grad_norm_(params, clip)) if clip else float("nan")
+            optimizer.step()
+            kill_point("train")
+            # Under several processes each holds its share's loss, scaled so that the mean over processes is the
+            # global batch's loss: record that mean.
+            value = float(accelerator.reduce(loss.detach(), "mean") if accelerator.num_processes > 1 else loss.detach())
+            if not math.isfinite(value):
+                raise Diverged(f"training diverged at step {step} (loss {value}); lower the learning rate (now {lr:g})")
+            record = {"step": step, "loss": value, "lr": lr, "grad_norm": grad_norm,
+                      "seconds": time.perf_counter() - start}
+            history.append(record)
+            last = step + 1 == steps
+            try:
+                for cb in callbacks:
+                    cb(step + 1, _unwrap(model), record, last)
+            except StopTraining:
+                stopped = True
+            if hasattr(bar, "set_postfix") and step % 10 == 0:
+                bar.set_postfix(loss=f"{value:.3f}")
+            if stopped:
+                break
     model.eval()
     probes = [row for cb in callbacks for row in getattr(cb, "rows", [])]
     return FitResult(history, sorted(probes, key=lambda r: r["step"]), time.perf_counter() - start, stopped)
