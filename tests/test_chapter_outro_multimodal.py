@@ -181,6 +181,7 @@ def test_dimension_removal_edits_only_the_chosen_tokens_and_dimensions(tiny_vlm)
 
 
 # ---- finding functions on synthetic measurements ----------------------------------------------------------------
+# ``measured[spec][seed]`` is one run's record; ``_one`` wraps a single run as seed 0 of model "m".
 
 N, L, H, HKV = 60, 8, 4, 2
 
@@ -197,8 +198,8 @@ def _variant(base, lost=0, gained=0):
 
 
 def _measured(learned=True, has_sink=True, effect=0, n=N, vlm_tokens=2.0, massive=True, top_percent_is_top1=True,
-              gamma=1.0, flat=False):
-    """A synthetic measurement of one model. ``effect`` > 0: every intervention the paper says helps gains
+              gamma=1.0, flat=False, seed=0):
+    """A synthetic measurement of one run. ``effect`` > 0: every intervention the paper says helps gains
     ``effect`` questions and every one it says hurts loses ``effect`` (the paper's world); < 0 the opposite."""
     base = ([1] * int(0.7 * n) + [0] * (n - int(0.7 * n))) if learned else ([1] * int(0.2 * n) + [0] * (n - int(0.2 * n)))
     good = lambda: _variant(base, gained=effect) if effect >= 0 else _variant(base, lost=-effect)
@@ -207,7 +208,7 @@ def _measured(learned=True, has_sink=True, effect=0, n=N, vlm_tokens=2.0, massiv
     test = {"baseline": base, "outro": good(), "rotate": good(), "relax": good(),
             "prune_sink_query_0.5": good(), "prune_random_0.5": bad(), "prune_mean_query_0.5": list(base),
             "remove_llm_sink": collapse, "remove_vlm_random": _variant(base, lost=1 if effect >= 0 else 10),
-            "remove_vlm_others": list(base) if effect >= 0 else _variant(base, lost=10),
+            "remove_vlm_others": _variant(base, lost=1, gained=1) if effect >= 0 else _variant(base, lost=10),
             "rotate_vlm_top1": list(base), "rotate_vlm_top_percent": list(base),
             "zero_k": bad()}
     held = base[n // 2:n // 2 + 20]
@@ -220,7 +221,7 @@ def _measured(learned=True, has_sink=True, effect=0, n=N, vlm_tokens=2.0, massiv
                 "key_top_sink": [[0.6] * HKV] * L, "key_top_other": [[0.4 if sign > 0 else 0.8] * HKV] * L,
                 "cos_sink": [[0.4] * H] * L, "cos_other": [[0.0 if sign > 0 else 0.6] * H] * L,
                 "value_heads_cos": [0.1] * L, "value_layers_cos": [0.3] * (L - 1)}
-    return {"spec": "m", "layers": L, "heads": H, "kv_heads": HKV, "relax_layers": [0, 2, 4, 6],
+    return {"spec": "m", "seed": seed, "layers": L, "heads": H, "kv_heads": HKV, "relax_layers": [0, 2, 4, 6],
             "record": {"spec": "m"}, "directory": "/nowhere", "chat": True,
             "sink": {"has_sink": has_sink, "items_with_sink": 1.0 if has_sink else 0.0,
                      "first_layer": 1 if has_sink else None, "is_first_real": True},
@@ -241,19 +242,27 @@ def _measured(learned=True, has_sink=True, effect=0, n=N, vlm_tokens=2.0, massiv
             "seconds": {}}
 
 
+def _one(world) -> dict:
+    return {"m": {0: world}}
+
+
+def _seeds(*worlds) -> dict:
+    return {"m": {s: {**w, "seed": s} for s, w in enumerate(worlds)}}
+
+
 FINDINGS = ("models_finding", "rotation_strength_finding", "accuracy_finding", "redistribution_finding",
             "pruning_finding", "identification_finding", "zero_k_finding", "geometry_finding", "relaxation_finding")
 
 
-def _claims(measured) -> dict:
+def _claims(measured, findings=FINDINGS) -> dict:
     out = {}
-    for name in FINDINGS:
+    for name in findings:
         out.update({c.id: c for c in getattr(C, name)(measured).claims})
     return out
 
 
 def test_the_papers_world_holds_everywhere():
-    claims = _claims({"m": _measured(effect=12)})
+    claims = _claims(_one(_measured(effect=12)))
     measured = {k: c for k, c in claims.items() if not c.must_hold}
     assert measured["vlm_gamma_varies_across_models"].holds == NOT_COMPARABLE     # one model
     del measured["vlm_gamma_varies_across_models"]
@@ -269,24 +278,35 @@ def test_the_papers_world_holds_everywhere():
 
 
 def test_the_opposite_world_does_not_hold():
-    claims = _claims({"m": _measured(effect=-12, top_percent_is_top1=False)})
+    claims = _claims(_one(_measured(effect=-12, top_percent_is_top1=False)))
     measured = {k: c for k, c in claims.items() if not c.must_hold and k != "vlm_gamma_varies_across_models"}
     assert {k: c.holds for k, c in measured.items() if c.holds is not False} == {}
 
 
+ACCURACY_KEYS = ("vlm_outro_accuracy_m", "vlm_rotation_accuracy_m", "vlm_relaxation_accuracy_m",
+                 "vlm_sink_query_pruning_m", "vlm_random_pruning_hurts_m", "vlm_zero_k_accuracy_m")
+ACCURACY_SETTINGS = ("outro", "rotate", "relax", "prune_sink_query_0.5", "prune_random_0.5", "zero_k")
+
+
+def _no_difference(n, changed):
+    """A world where each setting gains ``changed`` questions and loses as many: no difference, with noise."""
+    world = _measured(effect=0, n=n)
+    for name in ACCURACY_SETTINGS:
+        world["test"][name] = _variant(world["test"]["baseline"], lost=changed, gained=changed)
+    return world
+
+
 def test_no_difference_is_inconclusive_on_few_questions_and_refutes_on_many():
-    keys = ("vlm_outro_accuracy_m", "vlm_rotation_accuracy_m", "vlm_relaxation_accuracy_m",
-            "vlm_sink_query_pruning_m", "vlm_random_pruning_hurts_m", "vlm_zero_k_accuracy_m")
-    few = _claims({"m": _measured(effect=0)})
-    for key in keys:
+    few = _claims(_one(_no_difference(N, 3)))
+    for key in ACCURACY_KEYS:
         assert few[key].holds == INCONCLUSIVE, key
         assert few[key].effect["low"] < 0 < few[key].interest["value"] < few[key].effect["high"], key
-    many = _claims({"m": _measured(effect=0, n=6000)})
-    for key in keys:
+    findings = ("accuracy_finding", "pruning_finding", "zero_k_finding", "relaxation_finding")
+    many = _claims(_one(_no_difference(4000, 1)), findings)
+    for key in ACCURACY_KEYS:
         assert many[key].holds is False, key         # the interval now excludes the effect of interest
     # no fall at all excludes a fall to chance even on 60 questions
-    assert few["vlm_remove_llm_sink_collapses_m"].holds is False
-    assert many["vlm_remove_vlm_others_little_effect_m"].holds is True
+    assert _claims(_one(_measured(effect=0)))["vlm_remove_llm_sink_collapses_m"].holds is False
 
 
 STATISTICAL = ("vlm_outro_accuracy", "vlm_rotation_accuracy", "vlm_relaxation_accuracy", "vlm_sink_query_pruning",
@@ -297,7 +317,7 @@ STATISTICAL = ("vlm_outro_accuracy", "vlm_rotation_accuracy", "vlm_relaxation_ac
 
 
 def test_statistical_claims_carry_their_effect_interest_and_source():
-    claims = _claims({"m": _measured(effect=12, top_percent_is_top1=False)})
+    claims = _claims(_one(_measured(effect=12, top_percent_is_top1=False)))
     assert missing_effects(claims.values()) == []
     paired = [k for k in claims if k.startswith(STATISTICAL)]
     assert len(paired) == 12 and all(claims[k].effect and claims[k].interest for k in paired)
@@ -306,48 +326,87 @@ def test_statistical_claims_carry_their_effect_interest_and_source():
     assert missing_effects([bare]) == [bare]
     outro = claims["vlm_outro_accuracy_m"]
     assert outro.effect["estimate"] == pytest.approx(20.0) and outro.effect["units"] == "pt"
+    assert outro.effect["test"] == "paired bootstrap over items" and (outro.effect["items"], outro.effect["seeds"]) == (N, 1)
     assert outro.interest["source"].startswith("paper: Table B.6")
+
+
+def test_accuracy_claims_bootstrap_the_seed_means_of_each_question():
+    """Seed 0 alone gains 12 questions with OutRo; seeds 1 and 2 each lose 30 others. Per question the seed means
+    are +1/3 on 12 questions and -2/3 on 30: -26.7 pt, the opposite of seed 0's +20 pt."""
+    worlds = [_measured(effect=12), _measured(effect=12), _measured(effect=12)]
+    for w in worlds[1:]:
+        w["test"]["outro"] = _variant(w["test"]["baseline"], lost=30)
+    alone = C.accuracy_finding(_one(worlds[0])).claims[0]
+    assert alone.holds is True and alone.effect["estimate"] == pytest.approx(20.0)
+    pooled = _by_id(C.accuracy_finding(_seeds(*worlds)))["vlm_outro_accuracy"]
+    assert pooled.effect["estimate"] == pytest.approx(100 * (12 / 3 - 60 / 3) / N)
+    assert (pooled.effect["items"], pooled.effect["seeds"]) == (N, 3)
+    assert pooled.holds is False
+    # the question is the unit resampled: the same seed means on twice the questions narrow the interval
+    doubled = {s: {**w, "test": {k: v + v for k, v in w["test"].items()},
+                   "vision": {**w["vision"], "per_item": w["vision"]["per_item"] * 2, "n": 2 * N}}
+               for s, w in _seeds(*worlds)["m"].items()}
+    wide = pooled.effect["high"] - pooled.effect["low"]
+    narrow = _by_id(C.accuracy_finding({"m": doubled}))["vlm_outro_accuracy"].effect
+    assert narrow["estimate"] == pytest.approx(pooled.effect["estimate"])
+    assert narrow["high"] - narrow["low"] < 0.8 * wide
+    table = C.accuracy_finding(_seeds(*worlds)).table
+    assert list(table.columns) == [("m", "seed 0"), ("m", "seed 1"), ("m", "seed 2"), ("m", "mean")]
+    assert table.loc["OutRo", ("m", "seed 0")] == pytest.approx(0.9)
+    assert table.loc["OutRo", ("m", "mean")] == pytest.approx((0.9 + 0.2 + 0.2) / 3)
 
 
 def test_a_model_without_a_sink_or_without_the_skill_is_not_comparable():
     few = _measured(effect=3, n=5)
     few["vision"]["per_item"] = [1] * 5                  # above chance, but too few questions to decide
-    for kind, world in (("sink", _measured(effect=12, has_sink=False)), ("above chance", _measured(effect=12, learned=False)),
-                        ("at least 6", few)):
-        claims = _claims({"m": world})
+    for kind, world in (("sink", _one(_measured(effect=12, has_sink=False))),
+                        ("above chance", _one(_measured(effect=12, learned=False))),
+                        ("at least 6", _one(few)),
+                        # one seed of three did not learn the digits, or has no sink: the model is not comparable
+                        ("above chance", _seeds(_measured(effect=12), _measured(effect=12), _measured(learned=False))),
+                        ("seed 1", _seeds(_measured(effect=12), _measured(effect=12, has_sink=False),
+                                          _measured(effect=12)))):
+        claims = _claims(world)
         measured = [c for c in claims.values() if not c.must_hold]
         assert measured and all(c.holds == NOT_COMPARABLE for c in measured), kind
         assert all(kind in c.why_not_comparable or "two models" in c.why_not_comparable for c in measured), kind
         assert all(c.holds is True for c in claims.values() if c.must_hold)
+    # the same three seeds, all learned and with a sink: tested
+    assert _claims(_seeds(*[_measured(effect=12)] * 3))["vlm_outro_accuracy_m"].holds is True
 
 
 def test_phi_vlm_claims_need_massive_dimensions_and_flagged_tokens():
-    claims = _claims({"m": _measured(effect=12, massive=False)})
+    claims = _claims(_one(_measured(effect=12, massive=False)))
     for key in ("vlm_remove_llm_sink_collapses_m", "vlm_remove_vlm_random_little_effect_m",
                 "vlm_rotation_llm_beats_vlm_top1_m"):
         assert "fallback" in claims[key].why_not_comparable
-    claims = _claims({"m": _measured(effect=12, vlm_tokens=0.0)})
+    claims = _claims(_one(_measured(effect=12, vlm_tokens=0.0)))
     assert "flags no token besides" in claims["vlm_remove_vlm_others_little_effect_m"].why_not_comparable
     assert claims["vlm_remove_llm_sink_collapses_m"].holds is True
+    # every seed's model must have them
+    claims = _claims(_seeds(_measured(effect=12), _measured(effect=12, massive=False)))
+    assert "fallback" in claims["vlm_remove_llm_sink_collapses_m"].why_not_comparable
+    assert "seed 1" in claims["vlm_remove_llm_sink_collapses_m"].why_not_comparable
 
 
 def test_a_fall_that_stays_above_chance_is_not_a_collapse():
     world = _measured(effect=12)
     world["test"]["remove_llm_sink"] = _variant(world["test"]["baseline"], lost=12)    # 70% -> 50%, chance 24%
-    c = _claims({"m": world})["vlm_remove_llm_sink_collapses_m"]
-    assert c.holds is False and "excludes a fall to chance" in c.caveat          # interval about [9, 30] pt
+    c = _claims(_one(world), ("identification_finding",))["vlm_remove_llm_sink_collapses_m"]
+    assert c.holds is False and "excludes a fall to chance" in c.caveat          # interval about [10, 30] pt
     assert c.interest["value"] == pytest.approx(46.0)     # the baseline's margin over chance, in points
     world["test"]["remove_llm_sink"] = _variant(world["test"]["baseline"], lost=25)    # 70% -> 28%: near chance
-    c = _claims({"m": world})["vlm_remove_llm_sink_collapses_m"]
-    assert c.holds == INCONCLUSIVE and "above chance" in c.caveat                # about [28, 53] pt spans 46
+    c = _claims(_one(world), ("identification_finding",))["vlm_remove_llm_sink_collapses_m"]
+    assert c.holds == INCONCLUSIVE and "above chance" in c.caveat                # about [29, 54] pt spans 46
 
 
 def test_little_effect_allows_two_points():
-    world = _measured(effect=12, n=3000)
-    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=90)         # -3 pt
-    assert _claims({"m": world})["vlm_remove_vlm_random_little_effect_m"].holds is False
-    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=30)         # -1 pt
-    assert _claims({"m": world})["vlm_remove_vlm_random_little_effect_m"].holds is True
+    world = _measured(effect=12, n=1500)
+    key = "vlm_remove_vlm_random_little_effect_m"
+    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=45)         # -3 pt
+    assert _claims(_one(world), ("identification_finding",))[key].holds is False
+    world["test"]["remove_vlm_random"] = _variant(world["test"]["baseline"], lost=15)         # -1 pt
+    assert _claims(_one(world), ("identification_finding",))[key].holds is True
 
 
 def _val(world, own, gain, n=40):
@@ -360,7 +419,7 @@ def _val(world, own, gain, n=40):
 
 
 def test_gamma_claim_compares_two_models_and_needs_choices_that_are_more_than_noise():
-    finding = lambda a, b: C.rotation_strength_finding({"a": a, "b": b}).claims[0]
+    finding = lambda a, b: C.rotation_strength_finding({"a": {0: a}, "b": {0: b}}).claims[0]
     differs = finding(_val(_measured(effect=12), 1.0, 20), _val(_measured(effect=12), 3.0, 20))
     assert differs.holds is True and "a: 1, b: 3" in differs.our_value
     noise = finding(_val(_measured(effect=12), 1.0, 2), _val(_measured(effect=12), 3.0, 2))
@@ -368,24 +427,58 @@ def test_gamma_claim_compares_two_models_and_needs_choices_that_are_more_than_no
     same = finding(_val(_measured(effect=12), 1.0, 20), _val(_measured(effect=12), 1.0, 20))
     assert same.holds is False                            # both models clearly prefer the same gamma
     assert finding(_val(_measured(effect=12), 1.0, 2), _val(_measured(effect=12), 1.0, 2)).holds == INCONCLUSIVE
-    flat = C.rotation_strength_finding({"a": _measured(effect=12, flat=True), "b": _measured(effect=12, gamma=3.0)})
+    flat = C.rotation_strength_finding({"a": {0: _measured(effect=12, flat=True)},
+                                        "b": {0: _measured(effect=12, gamma=3.0)}})
     assert flat.claims[0].holds == NOT_COMPARABLE
-    table = C.rotation_strength_finding({"a": _measured(effect=12, gamma=1.0), "b": _measured(effect=12, gamma=3.0)})
-    assert list(table.table.index) == ["no OutRo", "gamma 0.5", "gamma 1", "gamma 3"]
+    table = C.rotation_strength_finding({"a": {0: _measured(effect=12, gamma=1.0)},
+                                         "b": {0: _measured(effect=12, gamma=3.0)}})
+    assert list(table.table.index) == ["no OutRo", "gamma 0.5", "gamma 1", "gamma 3", "chosen gamma"]
+
+
+def test_gamma_is_chosen_per_seed_and_the_model_choice_reads_the_seed_means():
+    # seeds 0 and 2 choose gamma 3 by 4 questions; seed 1 chooses 1 by 20: on the seed means gamma 1 wins
+    runs = [_val(_measured(effect=12), 3.0, 4), _val(_measured(effect=12), 1.0, 20), _val(_measured(effect=12), 3.0, 4)]
+    finding = C.rotation_strength_finding(_seeds(*runs))
+    chosen = finding.table.loc["chosen gamma"]
+    assert [chosen[("m", f"seed {s}")] for s in range(3)] == [3.0, 1.0, 3.0] and chosen[("m", "mean")] == 1.0
+    other = {0: _val(_measured(effect=12), 3.0, 20)}
+    claim = C.rotation_strength_finding({"m": _seeds(*runs)["m"], "o": other}).claims[0]
+    assert "m: 1 (per seed 3, 1, 3), o: 3" in claim.our_value
+
+
+def test_non_accuracy_claims_read_the_seed_means():
+    """Rotation lowers the attention to the sink in seed 0 only; the claim follows the mean over seeds."""
+    def rotated(change):
+        w = _measured(effect=12)
+        w["attention"]["rotated"] = [[0.5 + change, 0.1 - change, 0.4]] * L
+        return w
+    key = "vlm_rotation_lowers_sink_attention_m"
+    falls = _claims(_seeds(rotated(-0.03), rotated(0.01), rotated(0.01)), ("redistribution_finding",))[key]
+    rises = _claims(_seeds(rotated(-0.01), rotated(0.01), rotated(0.01)), ("redistribution_finding",))[key]
+    assert falls.holds is True and falls.our_value == pytest.approx(-0.01 / 3, abs=1e-5)
+    assert rises.holds is False
+    # relaxation: 0.999 in seed 0, 0.97 in seed 1: the mean, 0.9845, is below 0.99
+    worlds = [_measured(effect=12), _measured(effect=12)]
+    worlds[1]["relaxation"]["cosine"] = [float("nan")] * 2 + [0.97] * (L - 2)
+    finding = C.relaxation_finding(_seeds(*worlds))
+    identical = _by_id(finding)["vlm_relaxed_sink_nearly_identical"]
+    assert identical.holds is False and identical.our_value == pytest.approx(0.9845)
+    assert finding.table.loc[("m", "seed 0"), "lowest cosine"] == pytest.approx(0.999)
+    assert list(finding.table.index) == [("m", "seed 0"), ("m", "seed 1"), ("m", "mean")]
 
 
 def test_freed_attention_follows_the_less_attended_modality():
     world = _measured(effect=12)
     world["attention"]["counts"] = [1.0, 2.0, 30.0]        # now image tokens get more per token than text
-    claims = _claims({"m": world})
+    claims = _claims(_one(world))
     assert claims["vlm_rotation_lowers_sink_attention_m"].holds is True
     assert claims["vlm_freed_attention_to_less_attended_m"].holds is False
 
 
 def test_the_cache_check_fails_loudly():
-    world = _measured(effect=12)
-    world["check"]["max_abs_diff"] = 1.0
-    check = _claims({"m": world})["vlm_outro_cache_m"]
+    worlds = [_measured(effect=12), _measured(effect=12)]
+    worlds[1]["check"]["max_abs_diff"] = 1.0               # in one seed's model
+    check = _claims(_seeds(*worlds))["vlm_outro_cache_m"]
     assert check.must_hold and check.holds is False
 
 
@@ -407,9 +500,23 @@ def test_quick_profile_runs_on_a_tiny_model_of_every_family(family, private_cach
     assert checks and all(c.holds is True for c in checks)
     measured = [c for c in claims.values() if not c.must_hold]
     assert len(measured) == 20 and all(c.holds == NOT_COMPARABLE and c.why_not_comparable for c in measured)
-    assert results["extra"]["models"][f"tiny-{family}"]["directory"].startswith(str(private_cache))
+    assert results["extra"]["models"][f"tiny-{family}"]["seeds"]["0"]["directory"].startswith(str(private_cache))
     write_results(**results, directory=tmp_path / "results")
     assert (tmp_path / "results" / "outro_multimodal.json").exists()
+
+
+def test_every_seed_is_measured_on_its_own_run(private_cache):
+    settings = C.PROFILES.resolve("quick", device="cpu", models=["tiny-qwen2"], seeds=[0, 1], n_test=6, n_val=2,
+                                  analysis_items=2, batch_size=4, adaptation=SMALL_ADAPTATION)
+    chapter = C.OutRoMultimodalChapter(settings)
+    runs = chapter.measured["tiny-qwen2"]
+    assert sorted(runs) == [0, 1] and [runs[s]["seed"] for s in (0, 1)] == [0, 1]
+    assert runs[0]["directory"] != runs[1]["directory"], "each seed has its own adaptation run"
+    assert set(chapter.adaptation["tiny-qwen2"]) == {0, 1}
+    results = chapter.results()
+    assert set(results["extra"]["models"]["tiny-qwen2"]["seeds"]) == {"0", "1"}
+    assert ("tiny-qwen2", "mean") in chapter.accuracy().table.columns
+    assert len(chapter.model_records()) == 2
 
 
 def test_bad_settings_are_refused_in_one_line():
@@ -420,6 +527,12 @@ def test_bad_settings_are_refused_in_one_line():
         C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", prune_keep=[1.5]))
     with pytest.raises(SettingsError, match="unknown parameter"):
         C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", adaptation={"no_such": 1}))
+    with pytest.raises(SettingsError, match="seeds"):
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", seeds=[0, 0]))
+    with pytest.raises(SettingsError, match="seeds"):
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", seeds=[]))
+    with pytest.raises(SettingsError, match="n_val"):
+        C.OutRoMultimodalChapter(C.PROFILES.resolve("quick", n_val=1))
     assert math.isclose(R.TOP_SHARE, 0.01)
 
 

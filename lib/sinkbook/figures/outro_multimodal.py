@@ -1,6 +1,7 @@
 """Figures of the OutRo chapter on vision-language models: validation accuracy against the rotation strength
 (Fig. B.2), attention to the sink with and without rotation (Fig. 7) and Zero-K (Fig. 4), pruning image tokens
-(Fig. 9), sink norms (Fig. 3a) and the sink's residual stream under relaxation (Fig. 6)."""
+(Fig. 9), sink norms (Fig. 3a) and the sink's residual stream under relaxation (Fig. 6). The chapter passes the
+mean over its seeds of each curve."""
 from __future__ import annotations
 
 import numpy as np

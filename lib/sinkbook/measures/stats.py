@@ -141,6 +141,6 @@ def paired_effect(test: PairedTest, seeds: int, paper_direction: int = +1, scale
 
 def effect_in_points(test: PairedTest, paper_direction: int = +1) -> "Effect":
     """A paired test of rates on one seed (an exact McNemar on prompts or questions), as its effect in percentage
-    points; ``paper_direction=-1`` when the paper says the second setting is worse. The OutRo chapters score every
-    comparison of two settings this way."""
+    points; ``paper_direction=-1`` when the paper says the second setting is worse. The text OutRo chapter scores its
+    pass/fail comparisons this way."""
     return paired_effect(test, seeds=1, paper_direction=paper_direction, scale=100, units="pt")

@@ -1,11 +1,14 @@
 """The multimodal OutRo measurements: every intervention and analysis on one adapted vision-language model.
 
-One job per model (``measure_model``): the adaptation chapter's vision run is loaded (``training.vlm.load_vlm``),
+One job per model and seed (``measure_model``): that seed's vision run of the adaptation chapter is loaded
+(``training.vlm.load_vlm``),
 its held-out digit questions are answered under no intervention, OutRo, rotation alone and relaxation alone (the
 rotation strength chosen on validation questions), image-token pruning by three scores, removing the sink
 dimensions at the Phi_LLM sink or at Phi_VLM tokens, rotating toward Phi_VLM tokens and Zero-K; forward-pass
 analyses on the first questions record where attention goes, the geometry of sink keys and values and what mask
-relaxation does to the sink. The record is plain numbers and lists; the chapter's findings read it.
+relaxation does to the sink. The run's seed also seeds its random choices (random pruning, the random Phi_VLM
+token). The test and validation questions do not depend on the seed, so the runs of one model answer the same
+questions. The record is plain numbers and lists; the chapter's findings read it.
 """
 from __future__ import annotations
 
@@ -519,41 +522,49 @@ def select_gamma(accuracy: dict) -> float:
 
 
 def measure_model(job: dict) -> dict:
-    """One adapted model, every measurement of the chapter (a worker process runs this)."""
+    """One adapted model (one seed's run), every measurement of the chapter (a worker process runs this)."""
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     start = time.perf_counter()
     vlm, loaded, fmt = load_vlm(job["directory"], device=job["device"])
-    out = _Measure(vlm, loaded, fmt, SimpleNamespace(**job["settings"])).run()
+    out = _Measure(vlm, loaded, fmt, SimpleNamespace(**job["settings"], seed=job["seed"])).run()
     out.update({"spec": job["spec"], "directory": job["directory"], "chat": fmt.chat})
     out["seconds"]["total"] = time.perf_counter() - start
     return out
 
 
 def measure_models(jobs: list[dict], workers: int) -> list[dict]:
-    """Every model's record, one worker process (one thread) per model when ``workers`` > 1."""
+    """Every job's record, one worker process (one thread) per job when ``workers`` > 1."""
     if workers <= 1 or len(jobs) <= 1:
         return [measure_model(job) for job in jobs]
     return run_jobs(measure_model, [{**job, "threads": 1} for job in jobs], workers)
 
 
-def measure_adapted(recipe, models: list, settings: dict, workers: int, device: str) -> tuple[dict, dict, dict]:
-    """The vision runs of ``models`` under the adaptation ``recipe`` (trained where missing, else read from the
-    cache), each measured once: (accuracy of each run as the adaptation evaluated it, ``measure_model``'s record
-    per model spec, seconds of the two stages)."""
+def measure_adapted(recipe, models: list, seeds: list, settings: dict, workers: int,
+                    device: str) -> tuple[dict, dict, dict]:
+    """The vision runs of ``models`` and ``seeds`` under the adaptation ``recipe`` (trained where missing, else
+    read from the cache), each measured once, one job per (model, seed): (accuracy of each run as the adaptation
+    evaluated it, ``{spec: {seed: ...}}``; ``measure_model``'s record as ``{spec: {seed: record}}``; seconds of the
+    two stages)."""
     start = time.perf_counter()
     listed = [j for j in adaptation_jobs(recipe) if j.get("config", {}).get("modality") == "vision"]
     docs = run_adaptation_jobs(listed, workers, device)
-    runs = {j["config"]["model"]: d for j, d in zip(listed, docs)}
-    adaptation = {m: {"accuracy": d["vision"]["accuracy"], "n": len(d["vision"]["per_item"])}
-                  for m, d in runs.items() if d.get("vision")}
+    runs = {(j["config"]["model"], j["config"]["seed"]): d for j, d in zip(listed, docs)}
+    adaptation = {}
+    for (model, seed), d in runs.items():
+        if d.get("vision"):
+            adaptation.setdefault(model, {})[seed] = {"accuracy": d["vision"]["accuracy"],
+                                                      "n": len(d["vision"]["per_item"])}
     seconds = {"adaptation runs": round(time.perf_counter() - start, 1)}
     start = time.perf_counter()
-    jobs = [{"spec": spec, "directory": runs[spec]["directory"], "device": device, "settings": settings}
-            for spec in models]
+    jobs = [{"spec": spec, "seed": seed, "directory": runs[(spec, seed)]["directory"], "device": device,
+             "settings": settings} for spec in models for seed in seeds]
     results = measure_models(jobs, workers if device == "cpu" else 1)
     seconds["measurements"] = round(time.perf_counter() - start, 1)
-    return adaptation, {job["spec"]: m for job, m in zip(jobs, results)}, seconds
+    measured = {}
+    for job, m in zip(jobs, results):
+        measured.setdefault(job["spec"], {})[job["seed"]] = m
+    return adaptation, measured, seconds
 
 
 # ---- decoding overhead with image tokens in the prompt (scripts/bench_outro.py --vlm) -------------------------------
