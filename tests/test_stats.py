@@ -67,3 +67,34 @@ def test_bad_inputs_give_clear_errors():
         mcnemar_exact([True, False], [True], alpha=0.05)
     with pytest.raises(ValueError, match="one length"):
         paired_bootstrap([1.0], [2.0], alpha=0.05)
+
+
+def test_paired_runs_bootstraps_the_run_means_and_never_narrows_below_the_pooled_pairs():
+    from sinkbook.measures.stats import agresti_min_interval, paired_bootstrap, paired_runs
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 2, size=(3, 100)).astype(float)
+    # no answer changes: the bootstrap alone gives [0, 0]; the pooled 300 pairs cannot exclude about 0.65 pt
+    same = paired_runs(first, first.copy(), 0.05)
+    assert paired_bootstrap(first.mean(0), first.mean(0), 0.05).detail["interval"] == (0.0, 0.0)
+    assert same.detail["interval"] == pytest.approx(agresti_min_interval(0, 0, 300, 0.95))
+    assert same.detail["interval"][0] < -0.006 and same.outcome == "no difference"
+    # one question lost in one run: still no difference at 300 pairs
+    one = first.copy()
+    one[0, np.flatnonzero(first[0])[0]] = 0
+    lost = paired_runs(first, one, 0.05)
+    assert lost.effect == pytest.approx(-1 / 300) and lost.detail["interval"][1] > 0 and lost.outcome == "no difference"
+    # many changes, all one way: the interval contains both and the outcome is decided
+    better = np.ones_like(first)
+    many = paired_runs(first, better, 0.05)
+    (low, high), (boot_low, boot_high) = many.detail["interval"], many.detail["bootstrap_interval"]
+    assert low <= boot_low and high >= boot_high and low > 0.35 and many.outcome == "improves"
+    worse = paired_runs(better, first, 0.05, higher_is_better=False)       # a loss: lower is better
+    assert worse.outcome == "improves" and worse.effect == pytest.approx(1 - first.mean())
+    # scores that are not pass/fail are the plain bootstrap of the run means
+    losses = rng.normal(size=(3, 50))
+    shifted = losses + rng.normal(0.1, 0.5, size=losses.shape)
+    plain = paired_runs(losses, shifted, 0.05)
+    assert plain.detail["interval"] == pytest.approx(
+        paired_bootstrap(losses.mean(0), shifted.mean(0), 0.05).detail["interval"])
+    with pytest.raises(ValueError, match="one shape"):
+        paired_runs(first, first[:, :10], 0.05)

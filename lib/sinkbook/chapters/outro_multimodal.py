@@ -44,7 +44,7 @@ from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, POSITIVE, Profiles, SettingsError, above, between, each
 from ..figures.outro_multimodal import (norms_figure, pruning_figure, relaxation_figure, rotation_strength_figure,
                                         sink_attention_figure)
-from ..measures.stats import PairedTest, min_pairs_to_decide, paired_bootstrap, paired_effect
+from ..measures.stats import PairedTest, min_pairs_to_decide, paired_effect, paired_runs
 from ..runs import adaptation as adaptation_jobs
 from ..runs.adaptation_records import interval_pt, vision_learned
 from ..runs.multimodal import GROUPS, IMAGE, PRUNE_METHODS, SINK, TEXT, measure_adapted, select_gamma
@@ -137,8 +137,10 @@ CACHE_RULE = Rule.at_most(CACHE_TOLERANCE, "max |logit difference| / max |logit|
 # ---- finding functions: measurements in, table / figures / claims out ------------------------------------------
 # ``measured[spec][seed]`` is what ``runs.multimodal.measure_model`` returned for that seed's adapted ``spec``. The
 # runs of one model answer the same questions, so an accuracy comparison averages each question's outcome over the
-# seeds (``_hits``) and bootstraps those means over the questions (``_paired``); the interval then holds the seeds'
-# variance as well as the questions'. With one seed it is the same code on that seed's outcomes.
+# seeds and bootstraps those means over the questions (``_paired``); the interval then holds the seeds' variance as
+# well as the questions'. When few answers change, it is widened to the exact interval of the pooled (seed,
+# question) pairs, so that no change at all reads "no effect this sample could see", not a zero-width interval.
+# With one seed it is the same code on that seed's outcomes.
 
 def _seeds_text(seeds) -> str:
     seeds = list(seeds)
@@ -170,9 +172,11 @@ def _hits(runs: dict[int, dict], name: str, part: str = "test") -> np.ndarray:
 
 
 def _paired(runs: dict[int, dict], first: str, second: str, part: str = "test") -> PairedTest:
-    """Paired bootstrap over the questions of setting ``second`` against ``first``, on the seed means
-    ('improves': second better)."""
-    return paired_bootstrap(_hits(runs, first, part), _hits(runs, second, part), ALPHA)
+    """Setting ``second`` against ``first`` over the questions of ``part``, paired by question and seed
+    (``measures.stats.paired_runs``: the bootstrap of the seed means, never narrower than the pooled pairs allow;
+    'improves': second better)."""
+    outcomes = lambda name: [np.asarray(runs[s][part][name], dtype=float) for s in sorted(runs)]
+    return paired_runs(outcomes(first), outcomes(second), ALPHA)
 
 
 def _points(test: PairedTest, runs: dict, paper_direction: int = +1) -> Effect:

@@ -12,6 +12,9 @@ Formulas: the book's methods page (book/methods.md).
   difference, resampling items with replacement; "no difference" is rejected when the (1 - alpha) interval
   excludes 0, i.e. when twice the smaller share of resampled means on either side of 0 (the p-value) is
   below alpha.
+- ``paired_runs``: the same over items, for scores from several runs (seeds) of each setting: the bootstrap of
+  the items' run means, its interval widened, for pass/fail scores, to contain the Agresti-Min interval of the
+  pooled (run, item) pairs, so that a handful of changed items cannot yield a near-zero-width interval.
 """
 from __future__ import annotations
 
@@ -97,6 +100,36 @@ def paired_bootstrap(first, second, alpha: float, higher_is_better: bool = True,
     return PairedTest("paired bootstrap", len(diff), effect, float(p), alpha, _outcome(effect, p, alpha),
                       {"interval": (float(low), float(high)), "resamples": resamples,
                        "mean_first": float(x.mean()), "mean_second": float(y.mean())})
+
+
+def paired_runs(first, second, alpha: float, higher_is_better: bool = True, resamples: int = 10_000,
+                seed: int = 0) -> PairedTest:
+    """Two settings scored on the same items in the same runs (seeds): ``first`` and ``second`` hold one row per
+    run, one column per item. The paired bootstrap over items of each item's run mean, so that the interval carries
+    the spread between items and between runs.
+
+    With pass/fail scores and few items that change, the bootstrap's percentile interval shrinks toward a point
+    (no item changes: [0, 0]) and would claim more than the count of pairs allows. For 0/1 scores the interval is
+    therefore widened to contain the Agresti-Min interval of the pooled (run, item) pairs, and the p-value is the
+    larger of the bootstrap's and the exact McNemar test's on those pairs."""
+    x, y = np.atleast_2d(np.asarray(first, dtype=float)), np.atleast_2d(np.asarray(second, dtype=float))
+    if x.shape != y.shape:
+        raise ValueError(f"paired runs need two arrays of one shape (runs, items), got {x.shape} and {y.shape}")
+    test = paired_bootstrap(x.mean(0), y.mean(0), alpha, higher_is_better, resamples, seed)
+    binary = np.isin(x, (0, 1)).all() and np.isin(y, (0, 1)).all()
+    if not binary:
+        return dataclasses.replace(test, detail={**test.detail, "runs": len(x)})
+    worse, better = (x, y) if higher_is_better else (y, x)
+    pooled = mcnemar_exact(worse.ravel(), better.ravel(), alpha)
+    exact = agresti_min_interval(pooled.detail["only_first"], pooled.detail["only_second"], pooled.n, 1 - alpha)
+    low, high = min(test.detail["interval"][0], exact[0]), max(test.detail["interval"][1], exact[1])
+    p = max(test.p_value, pooled.p_value)
+    outcome = IMPROVES if low > 0 and p < alpha else HURTS if high < 0 and p < alpha else NO_DIFFERENCE
+    return dataclasses.replace(test, p_value=p, outcome=outcome,
+                               detail={**test.detail, "interval": (low, high), "runs": len(x),
+                                       "bootstrap_interval": test.detail["interval"], "pooled_pairs": pooled.n,
+                                       "only_first": pooled.detail["only_first"],
+                                       "only_second": pooled.detail["only_second"]})
 
 
 def min_pairs_to_decide(alpha: float) -> int:
