@@ -28,9 +28,9 @@ from ..core.profiles import NON_EMPTY, POSITIVE, PROFILE_NAMES, Profiles, above,
 from ..core.published import six_pairs
 from ..figures.vl_adaptation import capability_figure, dose_figure, erosion_figure, theorem1_figure
 from ..measures.regression import fit_line, spearman_rho
-from ..measures.stats import paired_bootstrap, paired_effect
+from ..measures.stats import paired_bootstrap, paired_effect, paired_runs
 from ..runs import adaptation as jobs
-from ..runs.adaptation_records import (arm_items, dose_points, half_step, has_headroom,
+from ..runs.adaptation_records import (arm_items, arm_runs, base_runs, dose_points, half_step, has_headroom,
                                        items, seeds_of, trajectory_table)
 from ..runs.adaptation_records import probe_metric, vision_learned as learned_images
 from ..training.digits import TASKS
@@ -171,7 +171,8 @@ def adaptation_finding(base: dict, runs: dict, models: list) -> Finding:
 
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     """Analysis 1: the change of every text task after vision and after text-only training, paired over items
-    (per-item scores averaged over the seeds first)."""
+    and seeds (``measures.stats.paired_runs``: the bootstrap of per-item seed means, never narrower than the
+    pooled pairs' exact interval for pass/fail scores)."""
     rows, claims = [], []
     for model in models:
         learned = vision_learned(runs, model)[0]
@@ -184,9 +185,9 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
                 continue
             tests = {}
             for modality in ("vision", "text"):
-                adapted = arm_items(runs, model, modality, task)
+                adapted = arm_runs(runs, model, modality, task)
                 if adapted is not None:
-                    tests[modality] = paired_bootstrap(b, adapted, ALPHA)
+                    tests[modality] = paired_runs(base_runs(base[model], task, len(adapted)), adapted, ALPHA)
                     rows.append({"model": model, "task": task, "run": modality, "base": float(b.mean()),
                                  "adapted": float(adapted.mean()), "change (pt)": 100 * tests[modality].effect,
                                  "low": 100 * tests[modality].detail["interval"][0],
@@ -203,9 +204,9 @@ def capability_finding(base: dict, runs: dict, models: list) -> Finding:
                     "format-sensitive scores drop (Table 6: IFEval -1.8 to -18.7 pt, GSM8K-CoT -1.5 to -42.7 pt)",
                     paired_effect(vl, len(vision_seeds), paper_direction=-1, scale=100, units="pt"),
                     LOSS_OF_INTEREST[task], precondition=all_of(gate_learned, room)))
-                vis, txt = (arm_items(runs, model, m, task, common) if common else None for m in ("vision", "text"))
+                vis, txt = (arm_runs(runs, model, m, task, common) if common else None for m in ("vision", "text"))
                 if vis is not None and txt is not None:
-                    text_vs_vl = paired_bootstrap(vis, txt, ALPHA)
+                    text_vs_vl = paired_runs(vis, txt, ALPHA)
                     claims.append(statistical(
                         f"text_only_loses_less_{task}_{slug(model)}", f"{SOURCE}, Table 3 / App. F.2",
                         f"{model}: the matched text-only run scores higher on {task} than the vision run (it loses "

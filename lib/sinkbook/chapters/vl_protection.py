@@ -26,10 +26,11 @@ from ..core.claims import Finding, Interest, Rule, check, claim, label, signed, 
 from ..core.models import GEMMA3, SMOLLM2, resolve_device
 from ..core.profiles import NON_EMPTY, NON_NEGATIVE, POSITIVE, Profiles, SettingsError, subset_of
 from ..figures.vl_protection import capability_figure, recovery_figure, sink_figure, tradeoff_figure
-from ..measures.stats import paired_bootstrap, paired_effect
+from ..measures.stats import paired_bootstrap, paired_effect, paired_runs
 from ..runs import adaptation as jobs
-from ..runs.adaptation_records import (HEADROOM_MARGIN, arm_items, arm_vision_items, has_headroom, interval_pt, items,
-                                      mean_items, probe_change, probe_metric, seeds_of, vision_learned)
+from ..runs.adaptation_records import (HEADROOM_MARGIN, arm_items, arm_runs, arm_vision_items, arm_vision_runs,
+                                      base_runs, has_headroom, interval_pt, items, mean_items, probe_change,
+                                      probe_metric, seeds_of, vision_learned)
 from ..training.remedies import INTERVENTIONS
 from .base import Chapter, all_of, finding, finding_of
 
@@ -80,7 +81,8 @@ PROFILES = Profiles({
 
 # ---- rules, each written once ----------------------------------------------------------------------------------
 # Statistical claims are decided by ``claims.decide`` against the effect of interest written beside them (before any
-# run was read); the effects are paired over items, per-item scores averaged over the seeds first.
+# run was read); the effects are paired over items and seeds (``measures.stats.paired_runs``: the bootstrap of
+# per-item seed means, never narrower than the exact interval of the pooled seed-and-item pairs).
 SMALLEST_LOSS_PT = 1.5      # the paper's smallest format-sensitive loss of any pair: GSM8K-CoT, InternVL3.5 (Table 6)
 TEXT_KEPT_OF_INTEREST = Interest(SMALLEST_LOSS_PT, "ours: a protection worth less than the smallest format-sensitive "
                                                    "loss the paper reports for any pair (Table 6, 1.5 pt) would not "
@@ -151,7 +153,10 @@ def _plain_hurts(base: dict, runs: dict, model: str, task: str = FORMAT_TASK) ->
     ok, why = _comparable(base, runs, model, task)
     if not ok:
         return ok, why
-    if paired_bootstrap(items(base[model], task), arm_items(runs, model, PLAIN, task), ALPHA).outcome != "hurts":
+    plain = arm_runs(runs, model, PLAIN, task)
+    if plain is None:
+        return False, f"the plain VL runs have no {task} evaluation"
+    if paired_runs(base_runs(base[model], task, len(plain)), plain, ALPHA).outcome != "hurts":
         return False, f"plain VL training does not lower {task}: there is no loss to protect against"
     return True, ""
 
@@ -160,10 +165,11 @@ def plain_loss_notes(base: dict, runs: dict, models: list, task: str = FORMAT_TA
     """One sentence per model: what plain VL training did to ``task`` (the loss an intervention could protect)."""
     notes = []
     for model in models:
-        b, p = items(base.get(model, {}), task), arm_items(runs, model, PLAIN, task)
-        if b is None or p is None or len(b) < 2:
+        p = arm_runs(runs, model, PLAIN, task)
+        b = base_runs(base.get(model, {}), task, len(p)) if p is not None else None
+        if b is None or p is None or b.shape[1] < 2:
             continue
-        test = paired_bootstrap(b, p, ALPHA)
+        test = paired_runs(b, p, ALPHA)
         notes.append(f"{model}: plain VL training changes {task} by {interval_pt(test)} (paired over items, "
                      f"{len(seeds_of(runs, model, PLAIN))} seed(s)): {test.outcome} at alpha {ALPHA}.")
     return notes
@@ -171,23 +177,24 @@ def plain_loss_notes(base: dict, runs: dict, models: list, task: str = FORMAT_TA
 
 def capability_finding(base: dict, runs: dict, models: list) -> Finding:
     """Every arm's text score and image accuracy: change from the unadapted model and difference from plain VL,
-    paired over items (seed means), with 95% bootstrap intervals."""
+    paired over items and seeds (``measures.stats.paired_runs``), with 95% intervals."""
     rows = []
     for model in models:
         for arm in _arms(runs, model):
             row = {"model": model, "arm": LABELS.get(arm, arm), "seeds": len(seeds_of(runs, model, arm))}
             for task in TEXT_TASKS:
                 seeds = seeds_of(runs, model, arm)
-                b, a = items(base[model], task), arm_items(runs, model, arm, task)
-                p = arm_items(runs, model, PLAIN, task, seeds) if set(seeds) <= set(seeds_of(runs, model, PLAIN)) else None
+                a = arm_runs(runs, model, arm, task)
+                b = base_runs(base[model], task, len(seeds)) if a is not None else None
+                p = arm_runs(runs, model, PLAIN, task, seeds) if set(seeds) <= set(seeds_of(runs, model, PLAIN)) else None
                 if b is None or a is None:
                     continue
-                change = paired_bootstrap(b, a, ALPHA)
+                change = paired_runs(b, a, ALPHA)
                 row[f"{task}"] = float(a.mean())
                 row[f"{task} vs base (pt)"] = interval_pt(change)
                 row[f"_{task}_change"] = 100 * change.effect
                 if p is not None and arm != PLAIN:
-                    row[f"{task} vs plain (pt)"] = interval_pt(paired_bootstrap(p, a, ALPHA))
+                    row[f"{task} vs plain (pt)"] = interval_pt(paired_runs(p, a, ALPHA))
             v = arm_vision_items(runs, model, arm)
             row["image accuracy"] = float(v.mean()) if v is not None else float("nan")
             rows.append(row)
@@ -267,10 +274,10 @@ def protection_finding(base: dict, runs: dict, models: list, task: str = FORMAT_
         active = (bool(record.get("sink_heads")) or bool(record.get("first_sink_layer")),
                   "no sink layer or head to protect on this model")
         gate = all_of(_plain_hurts(base, runs, model, task), active)
-        text = paired_bootstrap(arm_items(runs, model, PLAIN, task, seeds),
-                                arm_items(runs, model, "protection", task, seeds), ALPHA)
-        image = paired_bootstrap(arm_vision_items(runs, model, PLAIN, seeds), arm_vision_items(runs, model, "protection", seeds),
-                                 ALPHA)
+        text = paired_runs(arm_runs(runs, model, PLAIN, task, seeds), arm_runs(runs, model, "protection", task, seeds),
+                           ALPHA)
+        image = paired_runs(arm_vision_runs(runs, model, PLAIN, seeds), arm_vision_runs(runs, model, "protection", seeds),
+                            ALPHA)
         claims.append(statistical(
             f"protection_keeps_text_{slug(model)}", f"{SOURCE}, Limitations (the open question; test ours)",
             f"{model}: head-selective protection keeps more {task} than plain VL",
@@ -399,8 +406,8 @@ def injection_finding(base: dict, runs: dict, models: list, metric: str | None =
             curves[arm] = {k: float(np.mean(v)) for k, v in sorted(steps.items())}
         later = [k for k in curves[PLAIN] if k > 0 and k in curves["inject_qk_norm"]]
         below = all(curves["inject_qk_norm"][k] < curves[PLAIN][k] for k in later) and bool(later)
-        end = paired_bootstrap(arm_items(runs, model, PLAIN, task, seeds),
-                               arm_items(runs, model, "inject_qk_norm", task, seeds), ALPHA)
+        end = paired_runs(arm_runs(runs, model, PLAIN, task, seeds),
+                          arm_runs(runs, model, "inject_qk_norm", task, seeds), ALPHA)
         trace = ", ".join(f"step {k}: {curves['inject_qk_norm'][k]:.2f} vs {curves[PLAIN][k]:.2f}" for k in later)
         gate = all_of(_comparable(base, runs, model, task),
                       (base[model]["model"]["qk_norm"] == "none", "the model already has a QK-norm"))
@@ -434,15 +441,15 @@ def merging_finding(base: dict, runs: dict, models: list, task: str = FORMAT_TAS
         if not present:
             continue
         seeds = sorted(set.intersection(*(set(seeds_of(runs, model, f"merge:{m}")) for m in present)))
-        adapted = arm_items(runs, model, PLAIN, task, seeds)
-        b = items(base[model], task)
+        adapted = arm_runs(runs, model, PLAIN, task, seeds)
+        b = base_runs(base[model], task, len(seeds))
         if adapted is None or b is None:
             continue
         scores, tests = {}, {}
         for m in present:
-            merged = arm_items(runs, model, f"merge:{m}", task, seeds)
+            merged = arm_runs(runs, model, f"merge:{m}", task, seeds)
             scores[m] = float(merged.mean())
-            tests[m] = (paired_bootstrap(adapted, merged, ALPHA), paired_bootstrap(b, merged, ALPHA))
+            tests[m] = (paired_runs(adapted, merged, ALPHA), paired_runs(b, merged, ALPHA))
             rows.append({"model": model, "merge": m, task: scores[m], "vs adapted": interval_pt(tests[m][0]),
                          "vs unadapted": interval_pt(tests[m][1])})
         gate = _plain_hurts(base, runs, model, task)
@@ -469,8 +476,8 @@ def merging_finding(base: dict, runs: dict, models: list, task: str = FORMAT_TAS
             # "most damaging across both pairs" (App. F.4): not limited to the low-S side
             best_sparse = max(sparse, key=scores.get)
             worst_other = min(others, key=scores.get)
-            closest = paired_bootstrap(arm_items(runs, model, f"merge:{best_sparse}", task, seeds),
-                                       arm_items(runs, model, f"merge:{worst_other}", task, seeds), ALPHA)
+            closest = paired_runs(arm_runs(runs, model, f"merge:{best_sparse}", task, seeds),
+                                  arm_runs(runs, model, f"merge:{worst_other}", task, seeds), ALPHA)
             claims.append(statistical(
                 f"sparsified_merges_worst_{slug(model)}", f"{SOURCE}, App. F.4",
                 f"{model}: the sparsified merges (TIES, DARE) are the most damaging (the better of them, "

@@ -84,6 +84,26 @@ def arm_vision_items(runs: dict, model: str, arm: str, seeds=None) -> np.ndarray
     return np.mean(rows, axis=0) if rows else None
 
 
+def arm_runs(runs: dict, model: str, arm: str, task: str, seeds=None) -> np.ndarray | None:
+    """Per-item scores of ``task`` in each seed of one arm, a row per seed (``measures.stats.paired_runs`` pairs
+    two arms seed by seed and item by item); None when a seed lacks the task."""
+    rows = [items(runs[(model, arm, s)], task) for s in (seeds or seeds_of(runs, model, arm))]
+    return None if not rows or any(r is None for r in rows) else np.stack(rows)
+
+
+def arm_vision_runs(runs: dict, model: str, arm: str, seeds=None) -> np.ndarray | None:
+    """Per-question image-task outcomes in each seed of one arm, a row per seed."""
+    rows = [runs[(model, arm, s)].get("vision", {}).get("per_item") for s in (seeds or seeds_of(runs, model, arm))]
+    return None if not rows or not all(rows) else np.asarray(rows, dtype=float)
+
+
+def base_runs(doc: dict, task: str, seeds: int) -> np.ndarray | None:
+    """The unadapted model's per-item scores repeated once per seed of the arm it is paired with: every seed
+    starts from the same model."""
+    b = items(doc, task)
+    return None if b is None else np.tile(b, (seeds, 1))
+
+
 def probe_change(doc: dict, column: str) -> float:
     probes = sorted(doc.get("probes") or [], key=lambda p: p["step"])
     if len(probes) < 2 or column not in probes[0]:
