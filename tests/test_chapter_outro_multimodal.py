@@ -326,7 +326,7 @@ def test_statistical_claims_carry_their_effect_interest_and_source():
     assert missing_effects([bare]) == [bare]
     outro = claims["vlm_outro_accuracy_m"]
     assert outro.effect["estimate"] == pytest.approx(20.0) and outro.effect["units"] == "pt"
-    assert outro.effect["test"] == "paired bootstrap over items" and (outro.effect["items"], outro.effect["seeds"]) == (N, 1)
+    assert outro.effect["test"].startswith("paired bootstrap over items") and (outro.effect["items"], outro.effect["seeds"]) == (N, 1)
     assert outro.interest["source"].startswith("paper: Table B.6")
 
 

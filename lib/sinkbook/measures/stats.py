@@ -165,6 +165,8 @@ def paired_effect(test: PairedTest, seeds: int, paper_direction: int = +1, scale
     if test.test == "paired bootstrap":
         low, high = test.detail["interval"]
         name = "paired bootstrap over items"
+        if "pooled_pairs" in test.detail:          # paired_runs on pass/fail scores
+            name += ", widened to the pooled pairs' Agresti-Min interval"
     else:
         low, high = agresti_min_interval(test.detail["only_first"], test.detail["only_second"], test.n, level)
         name = "exact McNemar, Agresti-Min interval"
