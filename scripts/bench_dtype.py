@@ -100,8 +100,8 @@ def timings(loaded, model: str, blocks: int, steps: int) -> dict:
             loss_fn=lambda m, b: m(**b), clip=1.0, accelerator=accelerator, progress=False, precision=precision)
         step += steps
 
-    # The issue's own shape: a language-model step on 8 x 128 tokens, where the products, not the casts of the
-    # weights and the optimiser, take most of the time (the recipe's steps are 4 x ~50 tokens).
+    # A language-model step on 8 x 128 tokens (the shape of the first bfloat16 measurement), where the products,
+    # not the casts of the weights and the optimiser, take most of the time (the recipe's steps: 4 x ~50 tokens).
     lm_batch = torch.randint(0, loaded.model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(0))
     lm_params = [p for p in loaded.model.parameters() if p.requires_grad]
     lm_optimizers = {p: adaptation_optimizer(lm_params, 1e-9, p) for p in PRECISIONS}
