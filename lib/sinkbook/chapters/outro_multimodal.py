@@ -114,8 +114,8 @@ GAMMA_INTEREST = Interest(1.0, "ours: a gamma that wins by less than 1 pt of val
                                "optimum", "pt")
 GAMMA_VARIES = (f"with different choices, each model's own gamma against the other's on its validation questions "
                 f"({1 - ALPHA:.0%} paired bootstrap interval over the questions' seed means, the weakest comparison): "
-                f"holds above 0, does not hold below the effect of interest, else inconclusive; with one choice for all, does not hold if it beats every "
-                f"other gamma on each model's questions, else inconclusive")
+                f"holds above 0, does not hold below the effect of interest, else inconclusive; with one choice for "
+                f"all, does not hold if it beats every other gamma on each model's questions, else inconclusive")
 # The rules below read measurements that are not accuracies (attention, norms, cosines). Each is applied once, to the
 # seed means: every per-layer (and per-head) measurement is averaged over the seeds' runs first, since each seed is
 # one draw of the same adapted model and the paper states these of the model, not of every training run. The tables
@@ -438,8 +438,8 @@ def pruning_finding(measured: dict[str, dict[int, dict]]) -> Finding:
         versus = _paired(runs, key("mean_query", keep), key("sink_query", keep))
         layers = ", ".join(str(m["prune"]["layer"]) for _, m in sorted(runs.items()))
         notes.append(f"{spec}: scores at layer {layers} ({_seeds_text(sorted(runs))}; the sink's relaxation layer), "
-                     f"{first['prune']['image_tokens']:.1f} image tokens per question; keeping {keep:g} of them by the sink query {_describe(sink)}; at "
-                       f"random {_describe(random)} (seed means).")
+                     f"{first['prune']['image_tokens']:.1f} image tokens per question; keeping {keep:g} of them by "
+                     f"the sink query {_describe(sink)}; at random {_describe(random)} (seed means).")
         source = f"{PAPER}, Sec. 5.3, Fig. 9, Table 9"
         claims.append(statistical(f"vlm_sink_query_pruning_{slug(spec)}", source,
                                   f"pruning image tokens by the sink query's attention improves accuracy (keep "

@@ -3,8 +3,9 @@
 bfloat16 here means what the papers' GPU runs do: weights, optimiser state and the loss stay float32, and matrix
 products run in bfloat16 under ``torch.autocast``. Training enters the same context around its forward pass and
 loss rather than passing accelerate's ``mixed_precision``: accelerate fixes that once per process (its state is a
-singleton), and one process of the book runs both precisions. A processor with AVX512-BF16 or AMX runs those products several times faster; one
-without runs the same precision, only slower, so a number never depends on the reader's processor.
+singleton), and one process of the book runs both precisions. A processor with AVX512-BF16 or AMX runs those
+products several times faster; one without runs the same precision, only slower, so a number never depends on the
+reader's processor. During training, frozen linear weights are cast once per run (``frozen_linears_cast_once``).
 Comparisons with an exact reference (captured attention against eager, S against its definition, the theorem
 checks) stay in float32.
 """
@@ -61,7 +62,6 @@ def _cast_once(cast, model: torch.nn.Module):
                 p.requires_grad_(False)
 
 
-
 @contextlib.contextmanager
 def frozen_linears_cast_once(model: torch.nn.Module, precision: str):
     """For a training run: every ``nn.Linear`` of ``model`` whose float32 weight is frozen uses one bfloat16 copy
@@ -88,8 +88,8 @@ def frozen_linears_cast_once(model: torch.nn.Module, precision: str):
     def make_forward(layer: torch.nn.Linear, original):
         def forward(x, *args, **kwargs):
             kind = x.device.type
-            if not args and not kwargs and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16 \
-                    and not layer.weight.requires_grad:
+            bfloat16 = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+            if bfloat16 and not args and not kwargs and not layer.weight.requires_grad:
                 return torch.nn.functional.linear(x, cast(layer.weight), layer.bias)
             return original(x, *args, **kwargs)
         return forward
