@@ -388,3 +388,49 @@ def test_ifeval_task_grades_per_prompt_with_the_strict_checkers(loaded_model, mo
     assert result.score == 0.5 and result.kind == ts.FORMAT and result.chance == 0.0
     want = ifeval.grade(records, ["hello there", "Hello, there"])
     assert result.per_item == [int(r["all_followed"]) for r in want.rows]
+
+
+@pytest.mark.parametrize("family, chat", [(f, False) for f in TINY_FAMILIES] + [("llama", True)])
+def test_option_logprobs_with_a_shared_prefix_match_the_whole_prompts(loaded_model, family, chat, monkeypatch):
+    base = loaded_model(f"tiny-{family}")
+    loaded = ts_loaded(base.model, _chat_tokenizer() if chat else base.tokenizer)
+    items = (ts.MCItem("x-1", "What colour is the sky on a clear day?", ("Blue", "Green", "A red one"), 0),
+             ts.MCItem("x-2", "Which is a fruit?", ("An apple", "A brick"), 0),
+             ts.MCItem("x-3", "Yes or no?", ("y", "n", "m"), 0))
+    requests = [ts.knowledge_request(loaded.tokenizer, it, chat, shots=0 if chat else 2) for it in items]
+    prompts, conts = [p for p, _ in requests], [c for _, c in requests]
+    whole = ts.option_logprobs(loaded, prompts, conts, chat=chat, batch_size=3)
+    passes = []
+    original = ts._prompt_pass
+    monkeypatch.setattr(ts, "_prompt_pass", lambda *a: passes.append(a[-1]) or original(*a))
+    shared = ts.option_logprobs(loaded, prompts, conts, chat=chat, batch_size=3, share_prefix=True)
+    for a, b in zip(shared, whole):
+        assert a == pytest.approx(b, abs=1e-4)
+    # a sliding window shorter than the padded rows makes sharing inexact: those models run the prompts whole
+    window = getattr(ts.text_config(loaded.model), "sliding_window", None)
+    assert passes == [window is None or window >= max(len(loaded.tokenizer(p)["input_ids"]) for p in prompts) + 3]
+
+
+def test_the_shared_prefix_of_the_options_runs_once(loaded_model, monkeypatch):
+    loaded = loaded_model("tiny-llama")
+    shapes = []
+    original = loaded.model.forward
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loaded.model, "forward", recording)
+    ts.option_logprobs(loaded, [SHARED + "a", SHARED + "bcd"], [[" x", " yy"], [" z"]], chat=False,
+                       share_prefix=True)
+    prefix = ts.common_prefix_length([loaded.tokenizer(SHARED + t)["input_ids"] for t in ("a", "bcd")])
+    assert shapes[0] == (1, prefix) and shapes[1][0] == 2 and shapes[1][1] < 5
+
+
+def test_shared_prefix_gives_the_real_models_knowledge_logprobs(real):
+    items = ts.knowledge_items(12, seed=1)
+    whole = ts.run_knowledge(real, items)
+    shared = ts.run_knowledge(real, items, share_prefix=True)
+    assert shared.details["picks"] == whole.details["picks"]
+    for a, b in zip(shared.details["logprobs"], whole.details["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-3)

@@ -407,6 +407,15 @@ def text_config(model_or_config):
     return getattr(config, "text_config", None) or config
 
 
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head on rows of last hidden states, in float32, with the model's final logit soft-capping (Gemma).
+    Applied only where logits are needed (labelled or scored positions): with a 262k-word head the head is most of
+    a small model's cost."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def n_layers(model) -> int:
     return text_config(model).num_hidden_layers
 

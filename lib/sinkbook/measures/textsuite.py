@@ -51,7 +51,7 @@ from importlib import resources
 
 import torch
 
-from ..core.arch import text_config
+from ..core.arch import head_logits, text_config
 from ..core.prompts import calibration_prompts, pool_prompts
 from . import ifeval as ifeval_grading
 
@@ -322,14 +322,15 @@ def knowledge_request(tokenizer, item: MCItem, chat: bool, shots: int = 0, style
 
 
 def run_knowledge(loaded, items: list[MCItem], chat: bool | None = None, shots: int | None = None,
-                  style: str = "text", batch_size: int = 16, context=None) -> TaskResult:
-    """Accuracy of the highest summed log-probability option (lm-eval ``acc``)."""
+                  style: str = "text", batch_size: int = 16, context=None, share_prefix: bool = False) -> TaskResult:
+    """Accuracy of the highest summed log-probability option (lm-eval ``acc``). ``share_prefix``: see
+    ``option_logprobs``."""
     chat = use_chat(loaded.tokenizer, chat)
     shots = resolve_shots(shots, chat, len(KNOWLEDGE_SHOTS))
     start = time.perf_counter()
     requests = [knowledge_request(loaded.tokenizer, item, chat, shots, style) for item in items]
     scores = option_logprobs(loaded, [p for p, _ in requests], [c for _, c in requests], chat=chat,
-                             batch_size=batch_size, context=context)
+                             batch_size=batch_size, context=context, share_prefix=share_prefix)
     picks = [max(range(len(s)), key=s.__getitem__) for s in scores]
     per_item = [int(p == item.answer) for p, item in zip(picks, items)]
     chance = _mean([1.0 / len(item.options) for item in items])
@@ -342,15 +343,19 @@ def run_knowledge(loaded, items: list[MCItem], chat: bool | None = None, shots: 
 
 
 def option_logprobs(loaded, prompts: list[str], continuations: list[list[str]], chat: bool,
-                    batch_size: int = 16, context=None, logits_budget: int = LOGITS_BUDGET) -> list[list[float]]:
+                    batch_size: int = 16, context=None, logits_budget: int = LOGITS_BUDGET,
+                    share_prefix: bool = False) -> list[list[float]]:
     """Summed log-probability of each continuation given its prompt, [item][option].
 
     Prompt and continuation are tokenised together and split where the prompt's own tokens end (lm-eval's
     rule; the continuation alone is tokenised when the split does not line up). Each prompt is run once
     (left-padded batch, its cache kept); the cache is then copied to one row per option and the options'
-    tokens are run on top of it. Only the last prompt position's logits and the options' positions' logits
-    are computed (``logits_to_keep``), in chunks of at most ``logits_budget`` floats, and only the option
-    tokens' log-probabilities are kept.
+    tokens are run on top of it. Logits are computed only at the last prompt position (``logits_to_keep``) and
+    at the positions that score an option token (the head applied to those hidden states alone, not to the
+    padding of shorter options), in chunks of at most ``logits_budget`` floats, and only the option tokens'
+    log-probabilities are kept. ``share_prefix``: the prompts' common prefix (worked examples, a system
+    prompt) runs once per chunk, as in ``greedy_shared_prefix``; the same numbers up to floating-point rounding,
+    unless a sliding attention window is shorter than the padded rows (then the prompts run whole).
     """
     tokenizer, model = loaded.tokenizer, loaded.model
     special = not chat
@@ -371,8 +376,8 @@ def option_logprobs(loaded, prompts: list[str], continuations: list[list[str]], 
     vocab = text_config(model).vocab_size
     pad = pad_id(tokenizer)
 
-    def cost(chunk):        # floats of logits a chunk needs: one row per option, its positions
-        return vocab * max(sum(len(c) for c in conts[i]) + 1 for i in chunk) * len(chunk)
+    def cost(chunk):        # floats of logits a chunk needs: the prompts' last positions, the options' scored ones
+        return vocab * sum(1 + sum(len(c) - 1 for c in conts[i]) for i in chunk)
 
     out = [[0.0] * len(options) for options in continuations]
     order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
@@ -385,37 +390,64 @@ def option_logprobs(loaded, prompts: list[str], continuations: list[list[str]], 
         pos += len(chunk)
         rows = [(b, j) for b, i in enumerate(chunk) for j in range(len(conts[i]))]
         tokens = [conts[chunk[b]][j] for b, j in rows]
-        ids, mask = left_pad([prompt_ids[i] for i in chunk], pad, loaded.device)
         with torch.no_grad(), _entered(context):
-            first = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
-                          logits_to_keep=1)
+            first, mask = _prompt_pass(model, [prompt_ids[i] for i in chunk], pad, loaded.device,
+                                       share_prefix and _window_covers(model, [prompt_ids[i] for i in chunk],
+                                                                       max(len(t) for i in chunk for t in conts[i])))
             cache, first_logits = first.cache, first.logits[:, -1].float()                    # (B, V)
             first_logprobs = first_logits - torch.logsumexp(first_logits, -1, keepdim=True)
             del first, first_logits
             width = max(len(t) for t in tokens) - 1        # option tokens fed after the prompt
+            later = []                                      # log-probabilities of the options' later tokens
             if width > 0:
-                select = torch.tensor([b for b, _ in rows], device=ids.device)
+                select = torch.tensor([b for b, _ in rows], device=mask.device)
                 cache.batch_select_indices(select)
-                fed = torch.full((len(rows), width), pad, dtype=torch.long, device=ids.device)
+                fed = torch.full((len(rows), width), pad, dtype=torch.long, device=mask.device)
                 fed_mask = torch.zeros_like(fed)
                 for r, t in enumerate(tokens):
-                    fed[r, :len(t) - 1] = torch.tensor(t[:-1], device=ids.device)
+                    fed[r, :len(t) - 1] = torch.tensor(t[:-1], device=mask.device)
                     fed_mask[r, :len(t) - 1] = 1
-                positions = mask.sum(-1)[select][:, None] + torch.arange(width, device=ids.device)
-                logits = model(input_ids=fed, attention_mask=torch.cat([mask[select], fed_mask], -1),
-                               position_ids=positions, cache=cache, use_cache=True).logits.float()
-                norm = torch.logsumexp(logits, -1)                                          # (R, width)
-        for r, ((b, j), t) in enumerate(zip(rows, tokens)):
-            total = first_logprobs[b, t[0]].item()
-            if len(t) > 1:
-                rest = torch.tensor(t[1:], device=logits.device)
-                steps = torch.arange(len(t) - 1, device=logits.device)
-                total += (logits[r, steps, rest] - norm[r, steps]).sum().item()
-            out[chunk[b]][j] = total
+                positions = mask.sum(-1)[select][:, None] + torch.arange(width, device=mask.device)
+                decoder = model.get_decoder()
+                hidden = decoder(input_ids=fed, attention_mask=torch.cat([mask[select], fed_mask], -1),
+                                 position_ids=positions, use_cache=True,
+                                 **{_cache_arg(decoder): cache}).last_hidden_state
+                # the head only where an option token is scored, not on the padding of shorter options
+                real = fed_mask.bool()
+                logits = head_logits(model, hidden[real])                                 # (scored, V)
+                scored = torch.tensor([t for tok in tokens for t in tok[1:]], device=mask.device)
+                later = (logits.gather(1, scored[:, None])[:, 0] - torch.logsumexp(logits, -1)).tolist()
+                del hidden, logits
+        at = 0
+        for (b, j), t in zip(rows, tokens):
+            out[chunk[b]][j] = first_logprobs[b, t[0]].item() + sum(later[at:at + len(t) - 1])
+            at += len(t) - 1
         del cache
-        if width > 0:
-            del logits, norm
     return out
+
+
+def _prompt_pass(model, prompts: list[list[int]], pad: int, device, share_prefix: bool):
+    """The prompts' forward pass with their cache and the last position's logits, and the attention mask the
+    tokens fed after them extend. Shared: the common prefix runs once and each row's own tokens, left-padded
+    between the prefix and themselves, run on top at the positions they would have alone."""
+    n = common_prefix_length(prompts) if share_prefix and len(prompts) > 1 else 0
+    if n == 0:
+        ids, mask = left_pad(prompts, pad, device)
+        return model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                     logits_to_keep=1), mask
+    ids, own_mask = left_pad([p[n:] for p in prompts], pad, device)
+    lengths = own_mask.sum(-1) + n
+    positions = (lengths[:, None] - ids.shape[1] + torch.arange(ids.shape[1], device=device)).clamp(min=0)
+    mask = torch.cat([torch.ones(len(prompts), n, dtype=torch.long, device=device), own_mask], 1)
+    cache = model(input_ids=torch.tensor([prompts[0][:n]], device=device), use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(prompts))
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                 **{_cache_arg(model): cache}), mask
+
+
+def _cache_arg(model) -> str:
+    # transformers 5.x renames the forward argument past_key_values to cache
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 # ---- task 3: IFEval-style strict compliance (format-sensitive) ---------------------------------------------
@@ -557,8 +589,7 @@ def greedy_shared_prefix(model, sequences: list[list[int]], ends: list[int], max
     mask = torch.cat([torch.ones(rows, n, dtype=torch.long, device=device), own_mask], 1)
     new = [[] for _ in range(rows)]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    # transformers 5.x renames the forward argument past_key_values to cache
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = _cache_arg(model)
     with torch.no_grad():
         cache = model(input_ids=torch.tensor([sequences[0][:n]], device=device), use_cache=True).past_key_values
         cache.batch_repeat_interleave(rows)
@@ -647,6 +678,8 @@ def run_suite(loaded, arithmetic: int | list = 60, knowledge: int | list | None 
 
     ``shots`` overrides the number of worked examples per task ({"arithmetic": 5, "knowledge": 0, "ifeval": 3});
     a task left out uses its default (0 in chat format, all of its examples in base format).
+    ``share_prefix``: arithmetic and knowledge run their prompts' common prefix once (``generate``,
+    ``option_logprobs``); IFEval's answers are long enough that the prompts' prefill hardly counts.
     ``run_suite(loaded, **PROBE)`` is the cheap probe (24 arithmetic items, 40 multiple-choice items).
     """
     shots = dict(shots or {})
@@ -662,7 +695,8 @@ def run_suite(loaded, arithmetic: int | list = 60, knowledge: int | list | None 
     if knowledge is None or knowledge:
         items = knowledge_items(knowledge, seed) if knowledge is None or isinstance(knowledge, int) else list(knowledge)
         _log_task("knowledge (multiple choice)", len(items))
-        results["knowledge_mc"] = run_knowledge(loaded, items, chat, shots.get("knowledge"), mc_style, batch_size, context)
+        results["knowledge_mc"] = run_knowledge(loaded, items, chat, shots.get("knowledge"), mc_style, batch_size, context,
+                                                share_prefix)
     if ifeval is None or ifeval:
         records = ifeval_records(ifeval) if ifeval is None or isinstance(ifeval, int) else list(ifeval)
         _log_task("instruction following (IFEval-style, generated answers)", len(records))

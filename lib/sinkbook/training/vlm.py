@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..core.arch import head_logits
 from ..core.models import LoadedModel, load_model, model_directory
 from .digits import Example
 
@@ -203,10 +204,7 @@ def answer_loss(llm, inputs_embeds, attention_mask, labels, label_count=None) ->
                                use_cache=False).last_hidden_state
     targets = labels[:, 1:]
     keep = targets != -100
-    logits = llm.get_output_embeddings()(hidden[:, :-1][keep]).float()
-    cap = getattr(llm.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = head_logits(llm, hidden[:, :-1][keep])
     total = nn.functional.cross_entropy(logits, targets[keep], reduction="sum")
     if label_count is None:
         return total / keep.sum().clamp_min(1)
